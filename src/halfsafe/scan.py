@@ -1,0 +1,133 @@
+"""`scan`: run calibration text through a model and say where, and by how much, it would overflow float16."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from rich.progress import Progress
+from transformers import PreTrainedModel
+
+from .formats import FP16_MAX
+from .forward import model_inputs, run_for_stats
+from .layers import find_blocks
+from .precision import cast_copy
+from .stats import ActivationCollector, SiteStats
+
+FP16_CHECK_TOKENS = 128  # fp16 matmuls are slow on CPUs; the first overflow shows within a short prefix
+
+
+@dataclass
+class LayerPeak:
+    name: str
+    residual_peak: float  # abs max of the block's output: the residual stream after this layer
+    inner_peak: float  # abs max over every tensor measured inside the block
+    inner_site: str
+
+    @property
+    def headroom_bits(self) -> float:
+        return math.log2(FP16_MAX / self.residual_peak) if self.residual_peak > 0 else math.inf
+
+
+@dataclass
+class ScanReport:
+    model: str
+    model_type: str
+    n_samples: int
+    n_tokens: int
+    sites: dict[str, SiteStats]
+    layers: list[LayerPeak]
+    first_nonfinite_fp16: str | None = None
+    fp16_checked: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fp16_safe(self) -> bool:
+        return all(s.abs_max <= FP16_MAX for s in self.sites.values())
+
+    @property
+    def peak(self) -> SiteStats:
+        return max(self.sites.values(), key=lambda s: s.abs_max)
+
+    def modules(self) -> list[SiteStats]:
+        """Module outputs, in execution order."""
+        return [s for s in self.sites.values() if s.name.endswith(":out")]
+
+    def worst(self, n: int = 10) -> list[SiteStats]:
+        return sorted(self.sites.values(), key=lambda s: s.headroom_bits)[:n]
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "model_type": self.model_type,
+            "fp16_safe": self.fp16_safe,
+            "peak": self.peak.to_dict(),
+            "n_samples": self.n_samples,
+            "n_tokens": self.n_tokens,
+            "fp16_check": {"ran": self.fp16_checked, "first_nonfinite_module": self.first_nonfinite_fp16},
+            "layers": [
+                {"name": l.name, "residual_peak": l.residual_peak, "headroom_bits": l.headroom_bits,
+                 "inner_peak": l.inner_peak, "inner_site": l.inner_site}
+                for l in self.layers
+            ],
+            "modules": [s.to_dict() for s in self.modules()],
+            "inputs": [s.to_dict() for s in self.sites.values() if s.name.endswith(":in")],
+            "notes": self.notes,
+        }
+
+
+@torch.no_grad()
+def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "Scanning") -> dict[str, SiteStats]:
+    """Activation statistics of `model` over `samples`, merged across samples."""
+    with ActivationCollector(model) as collector, Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task(label, total=len(samples))
+        for ids in samples:
+            run_for_stats(model, ids)
+            bar.advance(task)
+    return collector.sites
+
+
+def layer_peaks(model: PreTrainedModel, sites: dict[str, SiteStats]) -> list[LayerPeak]:
+    peaks = []
+    for block in find_blocks(model):
+        out = sites.get(f"{block}:out")
+        inner = [s for s in sites.values() if s.name.startswith(block + ".")]
+        if out is None:
+            continue
+        top = max(inner, key=lambda s: s.abs_max, default=out)
+        peaks.append(LayerPeak(block, out.abs_max, max(top.abs_max, out.abs_max), top.name))
+    return peaks
+
+
+@torch.no_grad()
+def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor]) -> str | None:
+    """Run an fp16 copy of `model` on a short prefix of the samples; the first module whose output is
+    inf/NaN, or None."""
+    half = cast_copy(model, torch.float16)
+    try:
+        with ActivationCollector(half, stop_at_nonfinite=True) as collector:
+            for ids in samples[:2]:
+                half(**model_inputs(half, ids[:, :FP16_CHECK_TOKENS]), use_cache=False)
+                if collector.first_nonfinite:
+                    break
+        return collector.first_nonfinite
+    finally:
+        del half
+
+
+def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "") -> ScanReport:
+    """Measure every module's activations on `samples` (the model's own dtype, normally float32)."""
+    sites = collect(model, samples, progress)
+    report = ScanReport(
+        model=name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        model_type=model.config.model_type,
+        n_samples=len(samples),
+        n_tokens=sum(s.numel() for s in samples),
+        sites=sites,
+        layers=layer_peaks(model, sites),
+    )
+    if fp16_check:
+        report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples)
+        report.fp16_checked = True
+    return report

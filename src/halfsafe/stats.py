@@ -1,0 +1,156 @@
+"""Activation statistics through forward hooks that the collector owns and removes.
+
+A *site* is one tensor the model computes: a module's output ("name:out") or, for leaf modules, the
+first input ("name:in", e.g. the gated product a down projection reads, or the residual a norm reads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .formats import FP16_MAX, FP16_MIN_NORMAL
+
+PERCENTILE = 99.9
+_PERCENTILE_SAMPLE = 1 << 16  # elements per chunk used to estimate the percentile
+_CHUNK = 1 << 24
+
+
+@dataclass
+class SiteStats:
+    name: str  # "module.path:out" or "module.path:in"
+    module_class: str
+    abs_max: float = 0.0
+    percentile: float = 0.0  # PERCENTILE-th percentile of |x| (estimated on a strided subsample)
+    above_fp16_max: int = 0
+    below_fp16_min_normal: int = 0  # non-zero values fp16 stores only as subnormals (or flushes to 0)
+    nonzero: int = 0
+    numel: int = 0
+    nonfinite: int = 0
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(":", 1)[0]
+
+    @property
+    def headroom_bits(self) -> float:
+        """log2(65504 / abs max): how many doublings fit before float16 overflows (negative: overflow)."""
+        if not math.isfinite(self.abs_max):
+            return -math.inf
+        return math.log2(FP16_MAX / self.abs_max) if self.abs_max > 0 else math.inf
+
+    @property
+    def underflow_fraction(self) -> float:
+        return self.below_fp16_min_normal / self.nonzero if self.nonzero else 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        # In chunks, so a [seq, vocab] logits tensor needs no full-size temporaries.
+        for chunk in x.detach().flatten().split(_CHUNK):
+            self._update_chunk(chunk)
+
+    def _update_chunk(self, x: torch.Tensor) -> None:
+        a = x.abs()
+        amax = float(a.max())
+        if not math.isfinite(amax):
+            finite = torch.isfinite(a)
+            self.nonfinite += int(a.numel() - finite.sum())
+            self.abs_max = math.inf
+            a = a[finite]
+            if a.numel() == 0:
+                return
+            amax = float(a.max())
+        self.numel += a.numel()
+        self.abs_max = max(self.abs_max, amax)
+        if amax > FP16_MAX:
+            self.above_fp16_max += int(torch.count_nonzero(a > FP16_MAX))
+        zeros = a.numel() - int(torch.count_nonzero(a))
+        self.nonzero += a.numel() - zeros
+        self.below_fp16_min_normal += int(torch.count_nonzero(a < FP16_MIN_NORMAL)) - zeros
+        sample = a[:: max(1, a.numel() // _PERCENTILE_SAMPLE)].float()
+        k = max(1, math.ceil(sample.numel() * PERCENTILE / 100))
+        self.percentile = max(self.percentile, float(sample.kthvalue(k).values))
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.module,
+            "site": self.name,
+            "class": self.module_class,
+            "abs_max": self.abs_max,
+            f"p{PERCENTILE:g}": self.percentile,
+            "above_fp16_max": self.above_fp16_max,
+            "underflow_fraction": self.underflow_fraction,
+            "headroom_bits": self.headroom_bits,
+            "nonfinite": self.nonfinite,
+        }
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    """The first floating tensor in a module's input/output (tensors, tuples, model outputs)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            t = first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+@dataclass
+class ActivationCollector:
+    """`with ActivationCollector(model) as c: model(...)` fills `c.sites` in execution order.
+
+    `stop_at_nonfinite=True` records only the first module whose output is non-finite
+    (`c.first_nonfinite`), which is how the fp16 check names where a model breaks.
+    """
+
+    model: nn.Module
+    stop_at_nonfinite: bool = False
+    sites: dict[str, SiteStats] = field(default_factory=dict)
+    first_nonfinite: str | None = None
+    _handles: list = field(default_factory=list)
+
+    def __enter__(self) -> "ActivationCollector":
+        for name, module in self.model.named_modules():
+            if not name:
+                continue  # the model itself: its output is the logits, measured as the head's output
+            is_leaf = next(module.children(), None) is None
+            if is_leaf:
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name, module)))
+            self._handles.append(module.register_forward_hook(self._hook(name, module)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _record(self, site: str, module: nn.Module, value) -> None:
+        t = first_tensor(value)
+        if t is None:
+            return
+        if self.stop_at_nonfinite:
+            if self.first_nonfinite is None and site.endswith(":out") and not torch.isfinite(t).all():
+                self.first_nonfinite = site
+            return
+        stats = self.sites.get(site)
+        if stats is None:
+            stats = self.sites[site] = SiteStats(site, type(module).__name__)
+        stats.update(t)
+
+    def _pre_hook(self, name: str, module: nn.Module):
+        def hook(mod, args):
+            self._record(f"{name}:in", module, args)
+
+        return hook
+
+    def _hook(self, name: str, module: nn.Module):
+        def hook(mod, args, output):
+            self._record(f"{name}:out", module, output)
+
+        return hook
