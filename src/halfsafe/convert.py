@@ -1,0 +1,210 @@
+"""make_fp16_safe: scan, probe, plan, choose, apply, check. The Python API behind `halfsafe convert`."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from .calibration import default_text, make_samples
+from .errors import HalfsafeError, UnfixableOverflowError
+from .families import GAIN1P, Family, family_for
+from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .forward import logits as forward_logits
+from .groups import Group, expand
+from .metrics import mean_kl, top1_agreement
+from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve
+from .precision import cast_copy
+from .probe import probe
+from .rewrite import apply_exponents_
+from .scan import ScanReport, scan
+
+log = logging.getLogger(__name__)
+PROBE_TOKENS = 32
+EVAL_TOKENS = 128  # fp16 forward passes on CPU are slow; candidates are ranked on this prefix
+
+
+@dataclass
+class Candidate:
+    exponents: dict[str, int]
+    kl: float  # mean KL(fp32 original || fp16 rescaled) per token on the evaluation prefix
+    top1: float
+    finite: bool
+
+    @property
+    def residual_exponent(self) -> int:
+        return self.exponents.get("residual", 0)
+
+
+@dataclass
+class ConversionReport:
+    plan: Plan
+    scan_before: ScanReport
+    layers_after: list[tuple[str, float]]  # predicted residual peak per block after the plan
+    unfixable: list[tuple[str, float]]  # (site, predicted |x| max) still above 65504
+    tight: list[tuple[str, float]]  # under 65504 but above the headroom target
+    candidates: list[Candidate]
+    storage: list[dict]  # per touched tensor: fp16 storage error before/after
+    fp32_output_change: float  # relative max change of fp32 logits (exactness, should be ~1e-7)
+    fp16_finite: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.exponents == self.plan.exponents)
+
+    def to_dict(self) -> dict:
+        return {
+            "plan": self.plan.to_dict(),
+            "peaks_before": {l.name: l.residual_peak for l in self.scan_before.layers},
+            "peaks_after": dict(self.layers_after),
+            "peak_before": self.scan_before.peak.abs_max,
+            "unfixable": [{"site": s, "abs_max": v} for s, v in self.unfixable],
+            "below_headroom_target": [{"site": s, "abs_max": v} for s, v in self.tight],
+            "candidates": [vars(c) for c in self.candidates],
+            "tensor_storage": self.storage,
+            "fp32_output_change": self.fp32_output_change,
+            "fp16_finite_on_calibration": self.fp16_finite,
+            "notes": self.notes,
+        }
+
+
+def _saved_gains(model: PreTrainedModel, groups: list[Group]) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    return {m.param: params[m.param].detach().clone() for g in groups for m in g.moves if m.kind == GAIN1P}
+
+
+def _revert(model, family, groups, exponents, saved) -> None:
+    apply_exponents_(model, family, groups, {k: -v for k, v in exponents.items()})
+    params = dict(model.named_parameters())
+    for name, t in saved.items():
+        params[name].data.copy_(t)
+
+
+@torch.no_grad()
+def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
+    """Apply, run an fp16 copy on `ids`, compare to the fp32 reference, undo (bit for bit)."""
+    saved = _saved_gains(model, groups)
+    apply_exponents_(model, family, groups, exponents)
+    try:
+        half = cast_copy(model, torch.float16)
+        out = forward_logits(half, ids).float()
+        del half
+    finally:
+        _revert(model, family, groups, exponents, saved)
+    finite = bool(torch.isfinite(out).all())
+    return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
+
+
+def candidate_exponents(groups, constraints, headroom_bits, n: int) -> list[dict[str, int]]:
+    """The plan with the largest exponents, then the residual scale one and two steps lower: larger
+    scales keep (1+w) gains exact in fp16, smaller ones add headroom; the measurement decides."""
+    best = solve(groups, constraints, headroom_bits)
+    out = [best]
+    if "residual" in best:
+        for d in range(1, n):
+            cand = solve(groups, constraints, headroom_bits, fixed={"residual": best["residual"] - d})
+            if cand not in out:
+                out.append(cand)
+    return out
+
+
+def storage_error(t: torch.Tensor) -> dict:
+    """How far the fp16 copy of `t` is from `t`: relative L2 error, and non-zero entries lost to
+    subnormals or overflow."""
+    t = t.detach().float()
+    h = t.half().float()
+    nz = t != 0
+    return {
+        "fp16_rel_error": float((h - t).norm() / t.norm().clamp_min(1e-30)),
+        "subnormal_or_zero": int((nz & (t.abs() < FP16_MIN_NORMAL)).sum()),
+        "overflow": int((t.abs() > FP16_MAX).sum()),
+    }
+
+
+def _problems(constraints: list[Constraint], exps: dict[str, int], headroom_bits: float):
+    unfixable, tight = [], []
+    for c in constraints:
+        p = predicted_log2(c, exps)
+        if p > FP16_MAX_BITS:
+            unfixable.append((c.site, 2.0 ** p))
+        elif p > FP16_MAX_BITS - headroom_bits:
+            tight.append((c.site, 2.0 ** p))
+    return sorted(unfixable, key=lambda x: -x[1]), sorted(tight, key=lambda x: -x[1])
+
+
+@torch.no_grad()
+def make_fp16_safe(
+    model: PreTrainedModel,
+    samples: list[torch.Tensor] | None = None,
+    tokenizer=None,
+    headroom_bits: float = 2.0,
+    allow_unfixable: bool = False,
+    candidates: int = 3,
+    progress: bool = True,
+    scan_report: ScanReport | None = None,
+) -> ConversionReport:
+    """Rescale `model` (float32 weights) in place so that, cast to float16, it computes what it did
+    in float32 without overflow. Returns what was measured, chosen and checked."""
+    family = family_for(model.config.model_type)
+    groups = expand(family, model)
+    if samples is None:
+        vocab = model.config.get_text_config().vocab_size
+        samples = make_samples([default_text()], tokenizer, vocab, 512, 8)
+    report = scan_report or scan(model, samples, progress=progress)
+    governed = probe(model, family, groups, samples[0][:, :PROBE_TOKENS])
+    constraints = constraints_from(report.sites, governed, groups, dict(model.named_parameters()))
+    eval_ids = samples[0][:, :EVAL_TOKENS]
+    ref = forward_logits(model, eval_ids).float()
+    tried = [evaluate_candidate(model, family, groups, e, eval_ids, ref) for e in candidate_exponents(groups, constraints, headroom_bits, candidates)]
+    valid = [c for c in tried if c.finite] or tried
+    chosen = min(valid, key=lambda c: (c.kl, -c.residual_exponent))
+    unfixable, tight = _problems(constraints, chosen.exponents, headroom_bits)
+    if unfixable and not allow_unfixable:
+        worst = ", ".join(f"{s} ({v:.3g})" for s, v in unfixable[:3])
+        raise UnfixableOverflowError(
+            f"{len(unfixable)} tensor(s) would still exceed 65504 and no exact rescaling of {family.name} moves them: "
+            f"{worst}; {family.unfixable or 'see the family notes'}. Pass --allow-unfixable to convert anyway"
+        )
+    plan = Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits)
+    params = dict(model.named_parameters())
+    touched = sorted({t["param"] for t in plan.tensors})
+    before = {p: storage_error(params[p]) for p in touched}
+    apply_exponents_(model, family, groups, chosen.exponents)
+    storage = [{"param": p, "before": before[p], "after": storage_error(params[p])} for p in touched]
+    change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
+    return ConversionReport(
+        plan=plan,
+        scan_before=report,
+        layers_after=_layers_after(report, constraints, chosen.exponents),
+        unfixable=unfixable,
+        tight=tight,
+        candidates=tried,
+        storage=storage,
+        fp32_output_change=change,
+        fp16_finite=chosen.finite,
+    )
+
+
+def _layers_after(report: ScanReport, constraints: list[Constraint], exps: dict[str, int]) -> list[tuple[str, float]]:
+    by_site = {c.site: c for c in constraints}
+    out = []
+    for layer in report.layers:
+        c = by_site.get(f"{layer.name}:out")
+        out.append((layer.name, 2.0 ** predicted_log2(c, exps) if c else layer.residual_peak))
+    return out
+
+
+def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
+    """Apply a saved plan to a model of the same architecture (in place)."""
+    if plan.model_type != model.config.model_type:
+        raise HalfsafeError(f"the plan is for model_type {plan.model_type!r}, this model is {model.config.model_type!r}")
+    family = family_for(model.config.model_type)
+    groups = expand(family, model)
+    unknown = set(plan.exponents) - {g.name for g in groups}
+    if unknown:
+        raise HalfsafeError(f"the plan names groups this model does not have: {', '.join(sorted(unknown)[:5])}")
+    apply_exponents_(model, family, groups, plan.exponents)

@@ -1,0 +1,85 @@
+"""The vocabulary family data is written in: which tensors move together under one power-of-two scale.
+
+A *group* is a set of tensors that must be multiplied together for the network to compute the same
+function; one integer exponent e per group scales them all (scale s = 2**e, each tensor by s**power).
+Templates name parameters as `named_parameters()` does (tied weights under their first name), with
+`{i}` standing for a block index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+MUL = "mul"  # t -> s**power * t
+GAIN1P = "gain1p"  # x*(1+w) norms (Gemma): w -> s**power * (1 + w) - 1
+KINDS = (MUL, GAIN1P)
+
+
+@dataclass(frozen=True)
+class Move:
+    param: str
+    power: int = 1
+    kind: str = MUL
+    optional: bool = False  # may be absent (e.g. biases that some configs switch off)
+    # Part of the tensor only: (dim, fn(config) -> slice or index list), e.g. the V rows of a fused QKV.
+    select: tuple[int, Callable] | None = None
+    when: Callable | None = None  # fn(model) -> bool: the move applies to this model (e.g. `tied_head`)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Move {self.param}: kind must be one of {KINDS}, not {self.kind!r}")
+        if self.power == 0:
+            raise ValueError(f"Move {self.param}: power 0 moves nothing")
+        if self.kind == GAIN1P and self.select is not None:
+            raise ValueError(f"Move {self.param}: a (1+w) gain moves whole")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    moves: tuple[Move, ...]
+    per_block: bool = False  # one group per value of {i} (a pair inside one block) or one for all
+    eps_power: int = 0  # the family's norm eps moves by s**eps_power (every norm input scales by s)
+    when: Callable | None = None  # fn(model) -> bool: the group exists for this model
+    why: str = ""
+
+    def __post_init__(self):
+        has_i = ["{i}" in m.param for m in self.moves]
+        if self.per_block and not all(has_i):
+            raise ValueError(f"group {self.name}: a per-block group needs {{i}} in every template")
+        if self.per_block and self.eps_power:
+            raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
+        if len({(m.param, m.select is None) for m in self.moves}) != len(self.moves):
+            raise ValueError(f"group {self.name}: a template is listed twice")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    groups: tuple[GroupSpec, ...]
+    eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
+    # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
+    eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
+    unfixable: str = ""  # what no exact rescaling reaches in this family, in words
+    fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"family {self.name}: group names repeat: {names}")
+        if any(g.eps_power for g in self.groups) and not self.eps_attrs:
+            raise ValueError(f"family {self.name}: a group moves the eps but eps_attrs is empty")
+
+
+def tied_head(model) -> bool:
+    """The LM head is the input embedding (same tensor), so the head reads the residual scale."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    return out is not None and inp is not None and out.weight is inp.weight
+
+
+def untied_head(model) -> bool:
+    return not tied_head(model)

@@ -1,0 +1,50 @@
+"""Tiny random models, one module per family: each defines TINY = {model_type: config factory}.
+
+Weights are randomised (norm gains and biases too, so every move is exercised) and rounded to
+bfloat16, as a bf16-pretrained checkpoint's would be.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from importlib import import_module
+
+import torch
+from transformers import PreTrainedModel
+
+from halfsafe.loading import model_class_for
+
+
+def _collect() -> dict:
+    configs = {}
+    for m in pkgutil.iter_modules(__path__):
+        for key, factory in import_module(f"{__name__}.{m.name}").TINY.items():
+            assert key not in configs, f"tiny config {key} defined twice"
+            configs[key] = factory
+    return configs
+
+
+TINY = _collect()  # key (a model_type, or model_type plus a variant like "t5-v1_1") -> config factory
+
+
+@torch.no_grad()
+def make_tiny(key: str, seed: int = 0, untie: bool = False) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = TINY[key]()
+    if untie:
+        config.tie_word_embeddings = False
+    model = model_class_for(config)(config).float().eval()
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.add_(torch.randn_like(p) * 0.1)
+        p.copy_(p.bfloat16().float())
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and "bias" in name:
+            b.copy_(b.bfloat16().float())
+    return model
+
+
+def tiny_ids(model: PreTrainedModel, length: int = 24, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(3, vocab, (1, length), generator=g)
