@@ -55,6 +55,27 @@ def cmd_scan(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .calibration import read_texts
+    from .convert import convert_checkpoint
+    from .display import conversion_tables
+    from .plots import plot_layer_peaks
+
+    report = convert_checkpoint(
+        args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
+        headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
+    )
+    conversion_tables(report, console)
+    console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
+    if args.plot:
+        plot_layer_peaks(
+            {"before": [l.residual_peak for l in report.scan_before.layers], "after (fp16 checkpoint)": [v for _, v in report.layers_after]},
+            args.plot, f"{args.model}: residual peak per layer, before and after",
+        )
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
 def cmd_formats(args) -> int:
     from .display import formats_table
     from .formats import DTYPES, all_formats, product_in, round_to, spacing_near
@@ -83,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
     p.add_argument("--top", type=int, default=12, help="rows in the tightest-tensors table")
     p.set_defaults(func=cmd_scan)
+
+    p = sub.add_parser("convert", help="rescale a model exactly so it runs in float16; save an fp16 checkpoint")
+    p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
+    p.add_argument("out", help="output folder (must not exist unless --overwrite)")
+    _add_text_args(p)
+    p.add_argument("--headroom-bits", type=float, default=2.0, help="keep every movable activation this many bits under 65504 (default 2)")
+    p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("formats", help="bf16 / fp16 / fp32 side by side")
     p.add_argument("--value", type=float, help="show how this value is stored in each format")

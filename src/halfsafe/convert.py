@@ -54,7 +54,10 @@ class ConversionReport:
 
     @property
     def chosen(self) -> Candidate:
-        return next(c for c in self.candidates if c.exponents == self.plan.exponents)
+        return next(c for c in self.candidates if self.is_chosen(c))
+
+    def is_chosen(self, c: Candidate) -> bool:
+        return {k: v for k, v in c.exponents.items() if v} == self.plan.exponents
 
     def to_dict(self) -> dict:
         return {
@@ -112,17 +115,19 @@ def candidate_exponents(groups, constraints, headroom_bits, n: int) -> list[dict
     return out
 
 
-def storage_error(t: torch.Tensor) -> dict:
+def storage_error(t: torch.Tensor, chunk: int = 1 << 22) -> dict:
     """How far the fp16 copy of `t` is from `t`: relative L2 error, and non-zero entries lost to
-    subnormals or overflow."""
-    t = t.detach().float()
-    h = t.half().float()
-    nz = t != 0
-    return {
-        "fp16_rel_error": float((h - t).norm() / t.norm().clamp_min(1e-30)),
-        "subnormal_or_zero": int((nz & (t.abs() < FP16_MIN_NORMAL)).sum()),
-        "overflow": int((t.abs() > FP16_MAX).sum()),
-    }
+    subnormals or overflow. In chunks: a 168M-entry embedding needs no full-size temporaries."""
+    err2 = ref2 = 0.0
+    subnormal = overflow = 0
+    for x in t.detach().flatten().split(chunk):
+        x = x.float()
+        err2 += float((x.half().float() - x).double().pow(2).sum())
+        ref2 += float(x.double().pow(2).sum())
+        a = x.abs()
+        subnormal += int(((a > 0) & (a < FP16_MIN_NORMAL)).sum())
+        overflow += int((a > FP16_MAX).sum())
+    return {"fp16_rel_error": math.sqrt(err2 / ref2) if ref2 > 0 else 0.0, "subnormal_or_zero": subnormal, "overflow": overflow}
 
 
 def _problems(constraints: list[Constraint], exps: dict[str, int], headroom_bits: float):
@@ -208,3 +213,29 @@ def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
     if unknown:
         raise HalfsafeError(f"the plan names groups this model does not have: {', '.join(sorted(unknown)[:5])}")
     apply_exponents_(model, family, groups, plan.exponents)
+
+
+def convert_checkpoint(
+    source: str,
+    out: str,
+    texts: list[str] | None = None,
+    seq_len: int = 512,
+    max_samples: int | None = 8,
+    headroom_bits: float = 2.0,
+    allow_unfixable: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConversionReport:
+    """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`."""
+    from .calibration import read_texts
+    from .checkpoint import check_out_dir, save_fp16_checkpoint
+    from .loading import load_model
+
+    check_out_dir(out, overwrite)  # fail before the slow part
+    loaded = load_model(source)
+    family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
+    vocab = loaded.model.config.get_text_config().vocab_size
+    samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
+    report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress)
+    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite)
+    return report

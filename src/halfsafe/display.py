@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
 from .formats import FormatInfo
 from .scan import ScanReport
+from .convert import ConversionReport
 from .stats import PERCENTILE
 
 
@@ -50,3 +53,31 @@ def formats_table(formats: list[FormatInfo], console: Console) -> None:
     for f in formats:
         t.add_row(f.name, f"{f.max:.6g}", f"{f.min_normal:.3g}", f"{f.min_subnormal:.3g}", str(f.mantissa_bits), f"{f.spacing_near_one:.3g}")
     console.print(t)
+
+
+def conversion_tables(report: ConversionReport, console: Console) -> None:
+    plan = report.plan
+    cands = Table(title=f"Candidate plans ({plan.family}), ranked by fp16 KL to fp32 on a calibration prefix", title_justify="left")
+    for col in ("residual scale", "other groups moved", "KL(fp32 || fp16)", "top-1 agreement", "finite", "chosen"):
+        cands.add_column(col, justify="right")
+    for c in report.candidates:
+        others = sum(1 for k, v in c.exponents.items() if k != "residual" and v)
+        res = c.exponents.get("residual")
+        cands.add_row(f"2^{res}" if res is not None else "-", str(others), f"{c.kl:.3e}", f"{c.top1:.2%}",
+                      "yes" if c.finite else "[red]no[/]", "[green]<-[/]" if report.is_chosen(c) else "")
+    console.print(cands)
+    layers = Table(title="Residual stream per layer, before and after (predicted from the plan)", title_justify="left")
+    for col in ("layer", "before", "after", "headroom after (bits)"):
+        layers.add_column(col, justify="right" if col != "layer" else "left")
+    for before, (name, after) in zip(report.scan_before.layers, report.layers_after):
+        layers.add_row(name, fmt(before.residual_peak), fmt(after), headroom_cell(math.log2(65504 / after) if after > 0 else math.inf))
+    console.print(layers)
+    worst = max(report.storage, key=lambda s: s["after"]["fp16_rel_error"], default=None)
+    console.print(f"{len(plan.tensors)} tensors rescaled; norm eps x 2^{plan.eps_exponent}; fp32 output change "
+                  f"{report.fp32_output_change:.2e} (exactness)")
+    if worst is not None:
+        console.print(f"largest fp16 storage error of a rescaled tensor: {worst['after']['fp16_rel_error']:.2e} ({worst['param']})")
+    for site, v in report.tight[:5]:
+        console.print(f"[yellow]below the headroom target:[/] {site} at {fmt(v)}")
+    for site, v in report.unfixable[:10]:
+        console.print(f"[red]still above 65504 (no exact rescaling reaches it):[/] {site} at {fmt(v)}")

@@ -49,6 +49,10 @@ def gemma3_270m_folder() -> Path:
             loaded.model.to(torch.bfloat16).save_pretrained(tmp)
             if loaded.tokenizer is not None:
                 loaded.tokenizer.save_pretrained(tmp)
+            for legal in ("NOTICE.md", "GEMMA_TERMS.html"):  # the Gemma terms travel with the weights
+                src = Path(chunks.__file__).parent / "data" / legal
+                if src.is_file():
+                    shutil.copy2(src, tmp / legal)
             if folder.exists():
                 shutil.rmtree(folder)
             tmp.rename(folder)

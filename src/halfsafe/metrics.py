@@ -6,11 +6,16 @@ import torch
 import torch.nn.functional as F
 
 
-def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) per position, in nats, computed in float64. inf/NaN logits give NaN."""
-    ref = F.log_softmax(ref_logits.double(), dim=-1)
-    other = F.log_softmax(logits.double(), dim=-1)
-    return (ref.exp() * (ref - other)).sum(-1).flatten()
+def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    """KL(ref || other) per position, in nats, computed in float64 a few positions at a time (a 262k
+    vocabulary makes each position 2 MB in float64). inf/NaN logits give NaN."""
+    vocab = ref_logits.shape[-1]
+    out = []
+    for r, o in zip(ref_logits.reshape(-1, vocab).split(chunk), logits.reshape(-1, vocab).split(chunk)):
+        r = F.log_softmax(r.double(), dim=-1)
+        o = F.log_softmax(o.double(), dim=-1)
+        out.append((r.exp() * (r - o)).sum(-1))
+    return torch.cat(out)
 
 
 def mean_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
