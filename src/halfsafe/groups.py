@@ -90,6 +90,9 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
             tm = tuple(TensorMove(name, m.power, m.kind, _resolve_select(m, model)) for m in moves for _, name in sorted(matched[m].items(), key=lambda kv: int(kv[0] or -1)))
             groups.append(Group(spec.name, spec.name, None, tm, spec.eps_power))
     _check_kinds(family, groups)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    for g in groups:
+        _check_disjoint_parts(family, g, shapes)
     return groups
 
 
@@ -107,6 +110,21 @@ def _check_same_blocks(family: Family, spec: GroupSpec, moves: list[Move], match
             f"family {family.name}, group {spec.name}: templates match different blocks ({detail}); "
             "a rescale that skips a layer would change the model"
         )
+
+
+def _check_disjoint_parts(family: Family, group: Group, shapes: dict) -> None:
+    """Parts of one tensor selected within a group must not overlap (an overlap would move twice)."""
+    seen: dict[tuple[str, int], set[int]] = {}
+    for m in group.moves:
+        if m.select is None:
+            continue
+        dim, index = m.select
+        size = shapes[m.param][dim]
+        rows = set(range(*index.indices(size))) if isinstance(index, slice) else set(index.tolist())
+        taken = seen.setdefault((m.param, dim), set())
+        if rows & taken:
+            raise ValueError(f"family {family.name}, group {group.name}: parts of {m.param} selected twice overlap")
+        taken |= rows
 
 
 def _check_kinds(family: Family, groups: list[Group]) -> None:

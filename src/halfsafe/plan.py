@@ -60,8 +60,12 @@ def predicted_log2(c: Constraint, exponents: dict[str, int]) -> float:
 
 
 def solve(groups: list[Group], constraints: list[Constraint], headroom_bits: float, fixed: dict[str, int] | None = None) -> dict[str, int]:
-    """Largest exponents <= 0 meeting every constraint a group can influence. Exponents only ever go
-    down, so the fixpoint iteration ends; a constraint nothing can meet is left for the report."""
+    """Largest exponents <= 0 meeting every constraint a group can influence.
+
+    A constraint with a positive power caps a group's exponent from above; one with a negative power
+    (the K side of a Q/K pair, a consumer weight that grows as its producer shrinks) bounds it from
+    below. Where the two cross, no exponent of that group meets both, and it settles halfway; the
+    report then names what still overflows."""
     limit = FP16_MAX_BITS - headroom_bits
     exps = {g.name: 0 for g in groups}
     exps.update(fixed or {})
@@ -69,19 +73,22 @@ def solve(groups: list[Group], constraints: list[Constraint], headroom_bits: flo
     by_group: dict[str, list[Constraint]] = {g: [] for g in exps}
     for c in constraints:
         for g, p in c.powers.items():
-            if p > 0 and g in by_group:
+            if p and g in by_group:
                 by_group[g].append(c)
     for _ in range(100):
         changed = False
         for g in free:
-            bound = 0
+            upper, lower = 0, MIN_EXPONENT
             for c in by_group[g]:
                 p = c.powers[g]
                 slack = limit - (predicted_log2(c, exps) - p * exps[g])
-                bound = min(bound, math.floor(slack / p + 1e-9))
-            bound = max(bound, MIN_EXPONENT)
-            if bound < exps[g]:
-                exps[g] = bound
+                if p > 0:
+                    upper = min(upper, math.floor(slack / p + 1e-9))
+                else:
+                    lower = max(lower, math.ceil(slack / p - 1e-9))
+            best = max(upper, MIN_EXPONENT) if upper >= lower else math.floor((upper + lower) / 2)
+            if best != exps[g]:
+                exps[g] = best
                 changed = True
         if not changed:
             break

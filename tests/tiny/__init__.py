@@ -48,3 +48,10 @@ def tiny_ids(model: PreTrainedModel, length: int = 24, seed: int = 1) -> torch.T
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config().vocab_size
     return torch.randint(3, vocab, (1, length), generator=g)
+
+
+def save_tiny(key: str, folder, seed: int = 0):
+    """A tiny model as an ordinary checkpoint folder (config.json + model.safetensors), no tokenizer."""
+    model = make_tiny(key, seed)
+    model.save_pretrained(folder)
+    return folder

@@ -3,7 +3,9 @@
 Block: h = h + o(attn(q(n1 h), k(n1 h), v(n1 h))); h = h + down(silu(gate(n2 h)) * up(n2 h)).
 Every write into the residual (embedding, o_proj, down_proj) scales with it; norms undo the scale on
 their way out once the shared eps moves by s**2; a tied head reads the final norm, which absorbs 1/s.
-Qwen3's per-head q/k norms share that eps, so q_proj and k_proj move with the residual as well.
+Qwen3's per-head q/k norms share that eps, so q_proj and k_proj move with the residual as well; the
+q/k pair then moves the q_norm/k_norm gains (x c, / c), which RoPE and QK^T see exactly as they would
+see q x c, k / c.
 """
 
 from .spec import Family, GroupSpec, Move, tied_head
@@ -35,6 +37,9 @@ def llama_like(name: str, model_types: tuple[str, ...], qk_norm: bool = False, n
     if not qk_norm:
         groups.append(GroupSpec("qk", (*_biased(f"{L}.self_attn.q_proj"), *_biased(f"{L}.self_attn.k_proj", -1)),
                                 per_block=True, why="QK^T is unchanged by q x c, k / c (RoPE is linear)"))
+    else:  # the q/k norm gains sit after the normalisation, before RoPE: the pair moves there instead
+        groups.append(GroupSpec("qk_norm", (Move(f"{L}.self_attn.q_norm.weight"), Move(f"{L}.self_attn.k_norm.weight", -1)),
+                                per_block=True, why="QK^T is unchanged by q_norm gain x c, k_norm gain / c (RoPE is linear)"))
     return Family(
         name=name,
         model_types=model_types,

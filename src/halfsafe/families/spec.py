@@ -50,7 +50,9 @@ class GroupSpec:
             raise ValueError(f"group {self.name}: a per-block group needs {{i}} in every template")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
-        if len({(m.param, m.select is None) for m in self.moves}) != len(self.moves):
+        # Parts of one fused tensor (distinct selects) may move by different powers (Q rows x c, K rows / c);
+        # groups.expand checks that such parts do not overlap.
+        if len({(m.param, m.select) for m in self.moves}) != len(self.moves):
             raise ValueError(f"group {self.name}: a template is listed twice")
 
 

@@ -1,0 +1,46 @@
+"""The planner is a pure function of measured peaks: check its choices on hand-made constraints."""
+
+from __future__ import annotations
+
+import torch
+
+from halfsafe.convert import apply_plan_
+from halfsafe.families import family_for
+from halfsafe.forward import logits
+from halfsafe.groups import Group, expand
+from halfsafe.plan import Constraint, Plan, predicted_log2, solve
+from tiny import make_tiny, tiny_ids
+
+G = [Group("residual", "residual", None, ()), Group("qk@b0", "qk", "b0", ())]
+
+
+def test_largest_exponent_that_leaves_the_headroom():
+    cons = [Constraint("layer:out", 17.0, {"residual": 1})]
+    exps = solve(G, cons, headroom_bits=2)
+    assert exps["residual"] == -4  # 2**17 / 16 = 8192 <= 65504 / 4 < 2**17 / 8
+    assert exps["qk@b0"] == 0  # nothing asks it to move
+    assert solve(G, [Constraint("x", 10.0, {"residual": 1})], 2)["residual"] == 0  # never scales up
+
+
+def test_negative_powers_bound_from_below():
+    # q overflows, k is near the limit: q x c shrinks q but k / c grows k; the solver balances them
+    cons = [Constraint("q:out", 17.0, {"qk@b0": 1}), Constraint("k:out", 12.0, {"qk@b0": -1})]
+    e = solve(G, cons, headroom_bits=2)["qk@b0"]
+    assert all(predicted_log2(c, {"qk@b0": e}) < 15.9993 for c in cons)
+    assert e < 0
+
+
+def test_plan_round_trips_through_json_and_inverts(tmp_path):
+    model = make_tiny("llama")
+    ids = tiny_ids(model)
+    ref = logits(model, ids)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    groups = expand(family_for("llama"), model)
+    plan = Plan.build("llama", "llama", groups, {"residual": -3, groups[1].name: 2}, 2.0)
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.tensors and loaded.eps_exponent == -6
+    apply_plan_(model, loaded)
+    assert torch.allclose(logits(model, ids), ref, rtol=0, atol=1e-6 * ref.abs().max())
+    apply_plan_(model, loaded.inverse())
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
