@@ -2,8 +2,15 @@
 
 __version__ = "0.1.0"
 
+from .convert import ConversionReport, apply_plan_, convert_checkpoint, make_fp16_safe, plan_fp16_safe  # noqa: E402
 from .errors import HalfsafeError, UnfixableOverflowError, UnsupportedModelError  # noqa: E402
+from .families import family_for, supported_model_types  # noqa: E402
 from .loading import load_model  # noqa: E402
+from .plan import Plan  # noqa: E402
 from .scan import ScanReport, scan  # noqa: E402
 
-__all__ = ["HalfsafeError", "UnfixableOverflowError", "UnsupportedModelError", "load_model", "scan", "ScanReport", "__version__"]
+__all__ = [
+    "ConversionReport", "HalfsafeError", "Plan", "ScanReport", "UnfixableOverflowError", "UnsupportedModelError",
+    "__version__", "apply_plan_", "convert_checkpoint", "family_for", "load_model", "make_fp16_safe",
+    "plan_fp16_safe", "scan", "supported_model_types",
+]

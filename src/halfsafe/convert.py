@@ -142,7 +142,7 @@ def _problems(constraints: list[Constraint], exps: dict[str, int], headroom_bits
 
 
 @torch.no_grad()
-def make_fp16_safe(
+def plan_fp16_safe(
     model: PreTrainedModel,
     samples: list[torch.Tensor] | None = None,
     tokenizer=None,
@@ -152,8 +152,8 @@ def make_fp16_safe(
     progress: bool = True,
     scan_report: ScanReport | None = None,
 ) -> ConversionReport:
-    """Rescale `model` (float32 weights) in place so that, cast to float16, it computes what it did
-    in float32 without overflow. Returns what was measured, chosen and checked."""
+    """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
+    `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both)."""
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     if samples is None:
@@ -162,7 +162,7 @@ def make_fp16_safe(
     report = scan_report or scan(model, samples, progress=progress)
     governed = probe(model, family, groups, samples[0][:, :PROBE_TOKENS])
     constraints = constraints_from(report.sites, governed, groups, dict(model.named_parameters()))
-    eval_ids = samples[0][:, :EVAL_TOKENS]
+    eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
     tried = [evaluate_candidate(model, family, groups, e, eval_ids, ref) for e in candidate_exponents(groups, constraints, headroom_bits, candidates)]
     valid = [c for c in tried if c.finite] or tried
@@ -174,24 +174,41 @@ def make_fp16_safe(
             f"{len(unfixable)} tensor(s) would still exceed 65504 and no exact rescaling of {family.name} moves them: "
             f"{worst}; {family.unfixable or 'see the family notes'}. Pass --allow-unfixable to convert anyway"
         )
-    plan = Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits)
-    params = dict(model.named_parameters())
-    touched = sorted({t["param"] for t in plan.tensors})
-    before = {p: storage_error(params[p]) for p in touched}
-    apply_exponents_(model, family, groups, chosen.exponents)
-    storage = [{"param": p, "before": before[p], "after": storage_error(params[p])} for p in touched]
-    change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return ConversionReport(
-        plan=plan,
+        plan=Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits),
         scan_before=report,
         layers_after=_layers_after(report, constraints, chosen.exponents),
         unfixable=unfixable,
         tight=tight,
         candidates=tried,
-        storage=storage,
-        fp32_output_change=change,
+        storage=[],
+        fp32_output_change=math.nan,
         fp16_finite=chosen.finite,
     )
+
+
+def _eval_ids(samples: list[torch.Tensor]) -> torch.Tensor:
+    return samples[0][:, :EVAL_TOKENS]
+
+
+@torch.no_grad()
+def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = None, tokenizer=None, **options) -> ConversionReport:
+    """Rescale `model` (float32 weights) in place so that, cast to float16, it computes what it did
+    in float32 without overflow. Options as for `plan_fp16_safe`. Returns what was measured, chosen
+    and checked: the fp16 storage error of every touched tensor and the fp32 output change."""
+    if samples is None:
+        vocab = model.config.get_text_config().vocab_size
+        samples = make_samples([default_text()], tokenizer, vocab, 512, 8)
+    report = plan_fp16_safe(model, samples, **options)
+    eval_ids = _eval_ids(samples)
+    ref = forward_logits(model, eval_ids).float()
+    params = dict(model.named_parameters())
+    touched = sorted({t["param"] for t in report.plan.tensors})
+    before = {p: storage_error(params[p]) for p in touched}
+    apply_plan_(model, report.plan)
+    report.storage = [{"param": p, "before": before[p], "after": storage_error(params[p])} for p in touched]
+    report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
+    return report
 
 
 def _layers_after(report: ScanReport, constraints: list[Constraint], exps: dict[str, int]) -> list[tuple[str, float]]:
