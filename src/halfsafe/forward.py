@@ -19,9 +19,9 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor) -> dict:
     ids = ids.to(model.device)
     if not is_encoder_decoder(model):
         return {"input_ids": ids}
-    start = model.config.decoder_start_token_id
+    start = getattr(model.config, "decoder_start_token_id", None)
     if start is None:
-        start = model.config.pad_token_id or 0
+        start = getattr(model.config, "pad_token_id", None) or 0
     decoder_ids = torch.cat([torch.full_like(ids[:, :1], start), ids[:, :-1]], dim=1)
     return {"input_ids": ids, "decoder_input_ids": decoder_ids}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from .families import GAIN1P, MUL, Family
 from .groups import Group
@@ -76,7 +76,9 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int) -> None:
     if not exponent:
         return
     factor = 2.0 ** exponent
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+    # The top config, its text config, and the copies some submodules keep (T5's encoder/decoder stacks).
+    configs = [model.config, model.config.get_text_config()] + [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    for config in {id(c): c for c in configs}.values():
         for attr in family.eps_attrs:
             old = getattr(config, attr, None)
             if old is None:

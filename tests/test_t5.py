@@ -1,0 +1,142 @@
+"""T5 beyond the generic family tests: the `_keep_in_fp32_modules` trap when loading float16, Flan-T5's
+gelu*linear product overflowing before `wo`, and layouts the tiny configs do not build (a v1.1 checkpoint's
+own lm_head, the encoder-only class, uneven encoder/decoder depth)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForSeq2SeqLM, T5EncoderModel, T5ForConditionalGeneration
+
+from halfsafe.convert import make_fp16_safe
+from halfsafe.families import family_for
+from halfsafe.families.spec import tied_head
+from halfsafe.formats import FP16_MAX
+from halfsafe.forward import logits
+from halfsafe.groups import expand
+from halfsafe.metrics import mean_kl
+from halfsafe.precision import cast_copy
+from halfsafe.rewrite import apply_exponents_
+from halfsafe.runtime import load_pure_fp16
+from halfsafe.scan import scan
+from halfsafe.stats import first_tensor
+from tiny import TINY, make_tiny, tiny_ids
+
+KEY = "t5-v1_1"
+FAMILY = family_for("t5")
+
+
+def _v1_1_checkpoint_layout(tmp_path) -> T5ForConditionalGeneration:
+    """A tiny T5 v1.1 as transformers 5 loads a real one: T5Config forces tie_word_embeddings=True, and
+    from_pretrained unties only the head, because the checkpoint holds an lm_head unlike `shared`."""
+    model = make_tiny(KEY)
+    model.lm_head.weight = nn.Parameter(torch.randn_like(model.shared.weight).bfloat16().float())
+    model.save_pretrained(tmp_path / "v1_1")
+    loaded = T5ForConditionalGeneration.from_pretrained(tmp_path / "v1_1", dtype=torch.float32).eval()
+    assert not tied_head(loaded) and loaded.encoder.embed_tokens.weight is loaded.shared.weight
+    return loaded
+
+
+def _residual_peak(model, ids) -> float:
+    return max(layer.residual_peak for layer in scan(model, [ids], progress=False).layers)
+
+
+def _product_peak(model, ids) -> float:
+    """The largest input of any `wo`: the gelu*linear product of a gated feed-forward."""
+    return max(s.abs_max for n, s in scan(model, [ids], progress=False).sites.items() if n.endswith(".wo:in"))
+
+
+def _residual_dtype(model, ids) -> torch.dtype:
+    """The dtype of the residual stream leaving the last decoder block."""
+    seen = []
+    handle = model.decoder.block[-1].register_forward_hook(lambda mod, args, out: seen.append(first_tensor(out).dtype))
+    try:
+        logits(model, ids)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def _all_fp16(model) -> bool:
+    return all(p.dtype == torch.float16 for p in model.parameters())
+
+
+def test_converted_checkpoint_is_all_fp16_only_through_load_pure_fp16(tmp_path):
+    model = _v1_1_checkpoint_layout(tmp_path)
+    ids = tiny_ids(model, length=16)
+    k = math.ceil(math.log2(4 * FP16_MAX / _residual_peak(model, ids)))
+    apply_exponents_(model, FAMILY, expand(FAMILY, model), {"residual": k})
+    assert _residual_peak(model, ids) > 4 * FP16_MAX
+    ref = logits(model, ids)
+    cast_copy(model, torch.float16).save_pretrained(tmp_path / "stress")
+    make_fp16_safe(model, samples=[ids], progress=False)
+    cast_copy(model, torch.float16).save_pretrained(tmp_path / "safe")
+
+    # (a) A plain float16 load keeps every wo in float32, and wo's output makes the residual float32.
+    plain = T5ForConditionalGeneration.from_pretrained(tmp_path / "safe", dtype=torch.float16)
+    kept = {n for n, p in plain.named_parameters() if p.dtype == torch.float32}
+    assert kept and all(n.endswith("DenseReluDense.wo.weight") for n in kept)
+    assert len(kept) == plain.config.num_layers + plain.config.num_decoder_layers
+    assert _residual_dtype(plain, ids) == torch.float32
+
+    # (b) The helper gives a genuinely float16 model, from a model class or an Auto class alike.
+    for cls in (T5ForConditionalGeneration, AutoModelForSeq2SeqLM):
+        pure = load_pure_fp16(cls, tmp_path / "safe")
+        assert _all_fp16(pure) and _residual_dtype(pure, ids) == torch.float16
+        out = logits(pure, ids).float()
+        assert torch.isfinite(out).all()
+        assert mean_kl(ref, out) < 1e-4
+
+    # (c) Unconverted, the same weights overflow float16.
+    stress = load_pure_fp16(T5ForConditionalGeneration, tmp_path / "stress")
+    assert _all_fp16(stress)
+    assert not torch.isfinite(logits(stress, ids)).all()
+
+
+def test_flan_gelu_times_linear_overflow_is_fixed_by_the_wi1_wo_pair():
+    model = make_tiny(KEY)
+    ids = tiny_ids(model, length=16)
+    ref = logits(model, ids)
+    groups = expand(FAMILY, model)
+    pairs = [g.name for g in groups if g.spec in ("enc_wi1_wo", "dec_wi1_wo")]
+    k = math.ceil(math.log2(2 * FP16_MAX / _product_peak(model, ids)))
+    apply_exponents_(model, FAMILY, groups, dict.fromkeys(pairs, k))  # wi_1 x 2**k, wo / 2**k: exact
+    assert _product_peak(model, ids) > FP16_MAX > 4 * _residual_peak(model, ids)
+    assert not torch.isfinite(logits(cast_copy(model, torch.float16), ids)).all()
+
+    report = make_fp16_safe(model, samples=[ids], progress=False)
+    assert not report.unfixable
+    assert all(report.plan.exponents.get(g, 0) < 0 for g in pairs)
+    out = logits(cast_copy(model, torch.float16), ids).float()
+    assert torch.isfinite(out).all()
+    assert mean_kl(ref, out) < 1e-4
+
+
+def _encoder_only():
+    return T5EncoderModel(TINY[KEY]())
+
+
+def _uneven_depth():  # t5-efficient style: fewer decoder than encoder layers
+    config = TINY[KEY]()
+    config.num_decoder_layers = 1
+    return T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("build", [_encoder_only, _uneven_depth])
+def test_other_layouts_expand_fully_and_stay_exact(build):
+    model = build().eval()
+    model.load_state_dict(make_tiny(KEY).state_dict(), strict=False)  # the tiny model's randomised weights
+    ids = tiny_ids(model)
+    ref = logits(model, ids)
+    groups = expand(FAMILY, model)
+    moved = {m.param for g in groups for m in g.moves}
+    paired = (".q.weight", ".k.weight", ".v.weight", ".o.weight", ".wi_1.weight", ".wo.weight")
+    assert {n for n, _ in model.named_parameters() if n.endswith(paired)} <= moved  # every block of every stack
+    rng = random.Random(0)
+    apply_exponents_(model, FAMILY, groups, {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups})
+    out = logits(model, ids)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-6
