@@ -2,6 +2,16 @@
 
 Every non-optional template must match, and the per-block templates of one group must match the same
 blocks, so a mapping that silently matched nothing (or only some layers) fails here, by name.
+
+Block placeholders (families/spec.py) and their rules:
+- `{i}`: templates of one group naming the same block list must match the same blocks (in a whole-model
+  group, templates in different lists, e.g. encoder and decoder layers, may differ in depth).
+- `{i+1}` (per-block groups): the group of block i also moves parameters of block i+1. Such a spec makes
+  one group for every block of its `{i}` templates but the last; those blocks must be consecutive and
+  every non-optional `{i+1}` template must match exactly the blocks after them (block 1..n-1), or expand
+  fails. The group's `span` names both blocks.
+- `{last}` (whole-model groups): the highest index the template matches, which must be the last element
+  of its ModuleList (a template that matched only the first layers fails).
 """
 
 from __future__ import annotations
@@ -10,10 +20,12 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from .errors import UnsupportedModelError
 from .families import Family, GroupSpec, Move
+from .families.spec import BLOCK, LAST_BLOCK, NEXT_BLOCK, placeholder
 
 
 @dataclass(frozen=True)
@@ -31,10 +43,17 @@ class Group:
     block: str | None  # module prefix of the block a per-block group lives in
     moves: tuple[TensorMove, ...]
     eps_power: int = 0
+    # Every block a per-block group moves parameters in: its own and, with `{i+1}` templates, the next
+    # one. Empty means just `block` (probe attributes measured activations to groups by these blocks).
+    span: tuple[str, ...] = ()
+
+    @property
+    def blocks(self) -> tuple[str, ...]:
+        return self.span or ((self.block,) if self.block is not None else ())
 
 
 def _template_regex(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+    return re.compile("^" + re.escape(template).replace(re.escape(placeholder(template)), r"(\d+)") + "$")
 
 
 def _strip_base_prefix(model: PreTrainedModel, template: str) -> str:
@@ -47,12 +66,39 @@ def _strip_base_prefix(model: PreTrainedModel, template: str) -> str:
 
 
 def _matches(move: Move, model: PreTrainedModel, names: list[str]) -> dict[str, str]:
-    """index -> parameter name ('' for templates without {i})."""
+    """group index -> parameter name: the block index for {i}; for {i+1}, the index of the block before
+    the one matched (the group it belongs to); '' for templates without a placeholder and for {last}."""
     template = _strip_base_prefix(model, move.param)
-    if "{i}" not in template:
+    ph = placeholder(template)
+    if ph is None:
         return {"": template} if template in names else {}
     rx = _template_regex(template)
-    return {m.group(1): n for n in names if (m := rx.match(n))}
+    found = {m.group(1): n for n in names if (m := rx.match(n))}
+    if ph == NEXT_BLOCK:
+        return {str(int(k) - 1): n for k, n in found.items()}
+    if ph == LAST_BLOCK:
+        if not found:
+            return {}
+        last = max(found, key=int)
+        _check_last(move, model, template, int(last))
+        return {"": found[last]}
+    return found
+
+
+def _check_last(move: Move, model: PreTrainedModel, template: str, index: int) -> None:
+    """{last} must resolve to the final element of its ModuleList."""
+    prefix = template[: template.index(LAST_BLOCK)].rstrip(".")
+    try:
+        container = model.get_submodule(prefix)
+    except AttributeError:
+        container = None
+    size = len(container) if isinstance(container, nn.ModuleList) else None
+    if size != index + 1:
+        raise UnsupportedModelError(
+            f"{move.param!r}: {{last}} matched block {index} of {prefix}, which "
+            + (f"has {size} blocks" if size is not None else "is not a list of blocks")
+            + f"; this {type(model).__name__} is laid out differently from the family data"
+        )
 
 
 def _resolve_select(move: Move, model: PreTrainedModel):
@@ -74,18 +120,25 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
         moves = [m for m in spec.moves if m.when is None or m.when(model)]
         matched = {m: _matches(m, model, names) for m in moves}
         for m in moves:
-            if not matched[m] and not m.optional:
+            # {i+1} templates legitimately match nothing in a one-block model; _successor_blocks checks them.
+            if not matched[m] and not m.optional and placeholder(m.param) != NEXT_BLOCK:
                 raise UnsupportedModelError(
                     f"family {family.name}, group {spec.name}: no parameter matches {m.param!r}; "
                     f"this {type(model).__name__} is laid out differently from the family data (families/{family.name}.py)"
                 )
         _check_same_blocks(family, spec, moves, matched)
         if spec.per_block:
-            blocks = sorted({i for m in moves if not m.optional for i in matched[m]}, key=int)
+            own = [m for m in moves if placeholder(m.param) == BLOCK]
+            blocks = sorted({i for m in own if not m.optional for i in matched[m]}, key=int)
+            following = [m for m in moves if placeholder(m.param) == NEXT_BLOCK]
+            if following:
+                blocks = _successor_blocks(family, spec, blocks, following, matched)
             for i in blocks:
-                tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model)) for m in moves if i in matched[m])
-                block = _block_prefix(moves[0].param, model, i)
-                groups.append(Group(f"{spec.name}@{block}", spec.name, block, tm))
+                here = [m for m in moves if i in matched[m]]
+                tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model)) for m in here)
+                block = _block_prefix(own[0].param, model, i)
+                span = tuple(dict.fromkeys(_block_prefix(m.param, model, i) for m in here))
+                groups.append(Group(f"{spec.name}@{block}", spec.name, block, tm, span=span))
         else:
             tm = tuple(TensorMove(name, m.power, m.kind, _resolve_select(m, model)) for m in moves for _, name in sorted(matched[m].items(), key=lambda kv: int(kv[0] or -1)))
             groups.append(Group(spec.name, spec.name, None, tm, spec.eps_power))
@@ -97,19 +150,51 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
 
 
 def _block_prefix(template: str, model: PreTrainedModel, i: str) -> str:
+    """The block a template names for group index i: `<list>.<i>` ({i}) or `<list>.<i+1>` ({i+1})."""
     template = _strip_base_prefix(model, template)
-    return template[: template.index("{i}")] + i
+    ph = placeholder(template)
+    return template[: template.index(ph)] + (str(int(i) + 1) if ph == NEXT_BLOCK else i)
+
+
+def _list_prefix(template: str) -> str:
+    return template[: template.index(placeholder(template))]
 
 
 def _check_same_blocks(family: Family, spec: GroupSpec, moves: list[Move], matched: dict) -> None:
-    per_block = [m for m in moves if "{i}" in m.param and not m.optional]
-    sets = {m.param: set(matched[m]) for m in per_block}
-    if len({frozenset(s) for s in sets.values()}) > 1:
-        detail = "; ".join(f"{p}: {len(s)} blocks" for p, s in sets.items())
+    per_block = [m for m in moves if placeholder(m.param) == BLOCK and not m.optional]
+    # A per-block group has one index for all its templates; a whole-model group may read two block lists
+    # of different depth (encoder and decoder), each of which must be matched consistently.
+    by_list: dict[str, dict[str, set]] = {}
+    for m in per_block:
+        by_list.setdefault("" if spec.per_block else _list_prefix(m.param), {})[m.param] = set(matched[m])
+    for sets in by_list.values():
+        if len({frozenset(s) for s in sets.values()}) > 1:
+            detail = "; ".join(f"{p}: {len(s)} blocks" for p, s in sets.items())
+            raise UnsupportedModelError(
+                f"family {family.name}, group {spec.name}: templates match different blocks ({detail}); "
+                "a rescale that skips a layer would change the model"
+            )
+
+
+def _successor_blocks(family: Family, spec: GroupSpec, blocks: list[str], following: list[Move], matched: dict) -> list[str]:
+    """The blocks of a spec with {i+1} templates: all of its {i} blocks but the last, which must be
+    consecutive, and whose successors every non-optional {i+1} template matches, no more and no less
+    (its match in the first block, which has no predecessor here, belongs to no group of this spec)."""
+    ints = [int(i) for i in blocks]
+    if ints and ints != list(range(ints[0], ints[0] + len(ints))):
         raise UnsupportedModelError(
-            f"family {family.name}, group {spec.name}: templates match different blocks ({detail}); "
-            "a rescale that skips a layer would change the model"
+            f"family {family.name}, group {spec.name}: {{i+1}} needs consecutive blocks, the templates match {ints}"
         )
+    expected = set(blocks[:-1])
+    for m in following:
+        got = {i for i in matched[m] if ints and int(i) >= ints[0]}
+        if got != expected and not (m.optional and got <= expected):
+            raise UnsupportedModelError(
+                f"family {family.name}, group {spec.name}: {m.param!r} matches blocks "
+                f"{sorted(int(i) + 1 for i in got)}, expected {sorted(int(i) + 1 for i in expected)} (every block after the "
+                "first); a rescale that skips a layer would change the model"
+            )
+    return blocks[:-1]
 
 
 def _check_disjoint_parts(family: Family, group: Group, shapes: dict) -> None:

@@ -3,6 +3,8 @@
 Each group spec is applied with exponent -1 (the direction plans go) on a short input; every measured
 tensor whose peak halves (or doubles) is governed by that group with power +1 (-1). The same run proves the group exact: the
 model's output must not change. Family data that is wrong for this model fails here, loudly.
+The groups of one spec are scaled together, in one pass, unless some share a block (a post-norm group
+spanning blocks i and i+1): then in as few passes as keep every measured activation's owner unambiguous.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def probe(model: PreTrainedModel, family: Family, groups: list[Group], ids: torc
         by_spec[g.spec].append(g)
     governed: dict[str, dict[str, float]] = {g.name: {} for g in groups}
     params = dict(model.named_parameters())
-    for spec, members in by_spec.items():
+    for spec, members in ((name, part) for name, every in by_spec.items() for part in _passes(every)):
         exps = {g.name: PROBE_EXPONENT for g in members}
         saved = {m.param: params[m.param].detach().clone() for g in members for m in g.moves if m.kind == GAIN1P}
         apply_exponents_(model, family, members, exps)
@@ -79,11 +81,27 @@ def probe(model: PreTrainedModel, family: Family, groups: list[Group], ids: torc
     return governed
 
 
+def _passes(members: list[Group]) -> list[list[Group]]:
+    """Split one spec's groups so that no two groups scaled together share a block. Groups inside one
+    block each (every pre-norm pair) all go in one pass; groups spanning blocks i and i+1 take two."""
+    passes: list[tuple[set[str], list[Group]]] = []
+    for g in members:
+        blocks = set(g.blocks)
+        for used, together in passes:
+            if not blocks & used:
+                used |= blocks
+                together.append(g)
+                break
+        else:
+            passes.append((blocks, [g]))
+    return [together for _, together in passes]
+
+
 def _owner(site: str, members: list[Group]) -> str | None:
     if len(members) == 1 and members[0].block is None:
         return members[0].name
     module = site.rsplit(":", 1)[0]
     for g in members:
-        if g.block is not None and (module == g.block or module.startswith(g.block + ".")):
+        if any(module == b or module.startswith(b + ".") for b in g.blocks):
             return g.name
     return None

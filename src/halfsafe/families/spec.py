@@ -2,18 +2,40 @@
 
 A *group* is a set of tensors that must be multiplied together for the network to compute the same
 function; one integer exponent e per group scales them all (scale s = 2**e, each tensor by s**power).
-Templates name parameters as `named_parameters()` does (tied weights under their first name), with
-`{i}` standing for a block index.
+Templates name parameters as `named_parameters()` does (tied weights under their first name). A template
+holds at most one placeholder:
+- `{i}`: a block index. In a per-block group, the group's own block; in a whole-model group, every block.
+- `{i+1}` (per-block groups only): the block after the group's own, for what a block's last norm feeds
+  (post-norm models: the norm ending block i is read by block i+1). A per-block group with `{i+1}` has one
+  group per block that has a successor; what the last block's norm feeds (a head, a pooler, the decoder)
+  belongs in a separate whole-model group that names it with `{last}`.
+- `{last}` (whole-model groups only): the last block of that list, i.e. the highest index the template
+  matches, which must also be the last element of its ModuleList.
+groups.expand fails loudly when templates match different blocks (see there for the rules).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 MUL = "mul"  # t -> s**power * t
 GAIN1P = "gain1p"  # x*(1+w) norms (Gemma): w -> s**power * (1 + w) - 1
 KINDS = (MUL, GAIN1P)
+BLOCK, NEXT_BLOCK, LAST_BLOCK = "{i}", "{i+1}", "{last}"
+PLACEHOLDERS = (BLOCK, NEXT_BLOCK, LAST_BLOCK)
+
+
+def placeholders(template: str) -> list[str]:
+    """Every `{...}` in a template (parameter names never hold braces)."""
+    return re.findall(r"\{[^{}]*\}", template)
+
+
+def placeholder(template: str) -> str | None:
+    """The one placeholder a template holds, or None."""
+    found = placeholders(template)
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)
@@ -45,9 +67,17 @@ class GroupSpec:
     why: str = ""
 
     def __post_init__(self):
-        has_i = ["{i}" in m.param for m in self.moves]
-        if self.per_block and not all(has_i):
-            raise ValueError(f"group {self.name}: a per-block group needs {{i}} in every template")
+        for m in self.moves:
+            found = placeholders(m.param)
+            if len(found) > 1 or any(p not in PLACEHOLDERS for p in found):
+                raise ValueError(f"group {self.name}: {m.param!r} may hold one of {PLACEHOLDERS}, not {found}")
+        kinds = [placeholder(m.param) for m in self.moves]
+        if self.per_block and not all(k in (BLOCK, NEXT_BLOCK) for k in kinds):
+            raise ValueError(f"group {self.name}: a per-block group needs {{i}} (or {{i+1}}) in every template")
+        if self.per_block and not any(k == BLOCK and not m.optional for k, m in zip(kinds, self.moves)):
+            raise ValueError(f"group {self.name}: a per-block group needs a non-optional {{i}} template (its own block)")
+        if not self.per_block and NEXT_BLOCK in kinds:
+            raise ValueError(f"group {self.name}: {{i+1}} only makes sense in a per-block group")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
         # Parts of one fused tensor (distinct selects) may move by different powers (Q rows x c, K rows / c);
