@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +21,22 @@ from . import __version__
 from .errors import HalfsafeError
 
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
+
+
+@contextmanager
+def atomic_folder(out: Path):
+    """Yield a temporary folder beside `out`; when the block succeeds it replaces `out`, when it fails
+    it is removed. Either way no half-written `out` is ever visible."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is ordinary
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_out_dir(out: str | Path, overwrite: bool) -> Path:
@@ -44,9 +61,7 @@ def save_fp16_checkpoint(
     out = check_out_dir(out, overwrite)
     model.half()
     _check_weights(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -58,12 +73,6 @@ def save_fp16_checkpoint(
         info = {"halfsafe_version": __version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__, **info}
         (tmp / "halfsafe.json").write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
         _write_card(tmp / "README.md", info)
-        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is ordinary
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

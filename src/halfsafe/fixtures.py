@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -36,15 +35,14 @@ def gemma3_270m_folder() -> Path:
         ) from None
     from rich.console import Console
 
+    from .checkpoint import atomic_folder
     from .loading import load_model
 
     console = Console(stderr=True)
     with console.status("Building the Gemma 3 270M fixture (once): assembling and dequantizing the GGUF ..."):
         gguf_path = chunks.assemble(cache_dir() / "gguf" / chunks.MODEL_NAME)
         loaded = load_model(gguf_path, dtype=torch.float32)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".fixture-", dir=folder.parent))
-        try:
+        with atomic_folder(folder) as tmp:
             # The model was pretrained in bf16; the Q4_K_M dequantization is the reference we store.
             loaded.model.to(torch.bfloat16).save_pretrained(tmp)
             if loaded.tokenizer is not None:
@@ -53,9 +51,4 @@ def gemma3_270m_folder() -> Path:
                 src = Path(chunks.__file__).parent / "data" / legal
                 if src.is_file():
                     shutil.copy2(src, tmp / legal)
-            if folder.exists():
-                shutil.rmtree(folder)
-            tmp.rename(folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return folder
