@@ -8,9 +8,10 @@ from .families import family_for, supported_model_types  # noqa: E402
 from .loading import load_model  # noqa: E402
 from .plan import Plan  # noqa: E402
 from .scan import ScanReport, scan  # noqa: E402
+from .training.callback import HeadroomCallback  # noqa: E402
 
 __all__ = [
-    "ConversionReport", "HalfsafeError", "Plan", "ScanReport", "UnfixableOverflowError", "UnsupportedModelError",
+    "ConversionReport", "HalfsafeError", "HeadroomCallback", "Plan", "ScanReport", "UnfixableOverflowError", "UnsupportedModelError",
     "__version__", "apply_plan_", "convert_checkpoint", "family_for", "load_model", "make_fp16_safe",
     "plan_fp16_safe", "scan", "supported_model_types",
 ]

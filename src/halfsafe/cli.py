@@ -76,6 +76,32 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    """scan -> convert -> verify on the built-in Gemma 3 270M, each step's table printed."""
+    from .calibration import default_text, make_samples
+    from .convert import convert_checkpoint
+    from .display import conversion_tables, scan_tables, verify_tables
+    from .fixtures import cache_dir
+    from .loading import load_model
+    from .scan import scan
+    from .verify import verify
+
+    out = Path(args.out) if args.out else cache_dir() / "demo" / f"{DEFAULT_MODEL}-fp16"
+    console.rule(f"1/3  halfsafe scan {DEFAULT_MODEL}")
+    loaded = load_model(DEFAULT_MODEL)
+    samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.vocab_size, 512, 8)
+    scan_tables(scan(loaded.model, samples, fp16_check=True, name=DEFAULT_MODEL), console, top=6)
+    del loaded
+    console.rule(f"2/3  halfsafe convert {DEFAULT_MODEL} {out}")
+    conversion_tables(convert_checkpoint(DEFAULT_MODEL, str(out), overwrite=True), console)
+    console.print(f"wrote {out}")
+    console.rule(f"3/3  halfsafe verify {DEFAULT_MODEL} {out}")
+    with console.status("verifying on held-out text ...") as status:
+        report = verify(DEFAULT_MODEL, str(out), seq_len=args.seq_len, max_samples=args.max_samples, greedy_tokens=args.greedy_tokens, progress=status.update)
+    verify_tables(report, console)
+    return 0
+
+
 def cmd_formats(args) -> int:
     from .display import formats_table
     from .formats import DTYPES, all_formats, product_in, round_to, spacing_near
@@ -90,6 +116,50 @@ def cmd_formats(args) -> int:
             console.print(line)
     return 0
 
+
+def cmd_finetune(args) -> int:
+    from .calibration import read_texts
+    from .training.finetune import FinetuneConfig, finetune_checkpoint
+
+    config = FinetuneConfig(steps=args.steps, threshold=args.threshold, margin_bits=args.margin_bits, lr=args.lr,
+                            penalty_weight=args.penalty_weight, polish_steps=args.polish_steps, train=args.train,
+                            save_every=args.save_every,
+                            headroom_bits=args.headroom_bits)
+    config.check()  # bad numbers fail before loading anything
+    report, conversion, fp16 = finetune_checkpoint(
+        args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples, config=config,
+        overwrite=args.overwrite, restart=args.restart, resume_from=args.resume_from, save_unconverged=args.save_unconverged,
+    )
+    res = conversion.plan.exponents.get("residual")
+    console.print(f"exact rescale first: {len(conversion.plan.tensors)} tensors" + (f", residual x 2^{res}" if res else ""))
+    if report.resumed_from_step is not None:
+        console.print(f"resumed from step {report.resumed_from_step}")
+    for site in report.watched:
+        console.print(f"  {site}: |x| max {report.peaks_before.get(site, float('nan')):.4g} -> {report.peaks_after.get(site, float('nan')):.4g}")
+    console.print(f"{report.steps} steps; {report.stop_reason}; mean KL to the original {report.kl:.2e} nats/token")
+    console.print(f"float16 check: finite = {fp16['finite']}, largest |x| {fp16['peak']:.4g} at {fp16['peak_site']}")
+    console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
+    _write_json(args.json, {"finetune": report.to_dict(), "conversion": conversion.to_dict(), "fp16_check": fp16})
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .calibration import read_texts
+    from .display import verify_tables
+    from .verify import verify, write_plots
+
+    texts = read_texts(args.text) if args.text else None  # default: the embedded held-out text
+    with console.status("verifying ...") as status:
+        report = verify(
+            args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
+            seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens, progress=status.update,
+        )
+    verify_tables(report, console)
+    _write_json(args.json, report.to_dict())
+    if args.plot:
+        for path in write_plots(report, args.plot):
+            console.print(f"wrote {path}")
+    return 0
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfsafe", description="Make bf16-pretrained models fp16-safe by exact power-of-two rescaling.")
@@ -115,10 +185,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.set_defaults(func=cmd_convert)
 
+    p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
+    p.add_argument("--out", help="where to write the converted checkpoint (default: in the halfsafe cache; replaced)")
+    p.add_argument("--seq-len", type=int, default=512, help="verify: tokens per held-out sample (default 512)")
+    p.add_argument("--max-samples", type=int, default=2, help="verify: held-out samples (default 2)")
+    p.add_argument("--greedy-tokens", type=int, default=32, help="verify: greedy tokens compared with fp32 (default 32)")
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("formats", help="bf16 / fp16 / fp32 side by side")
     p.add_argument("--value", type=float, help="show how this value is stored in each format")
     p.add_argument("--times", type=float, help="with --value: the product value * times computed in each format")
     p.set_defaults(func=cmd_formats)
+
+    p = sub.add_parser("finetune", help="where no exact rescale reaches: fine-tune peaks below a threshold (KL to the original); save fp16")
+    p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
+    p.add_argument("out", help="output folder (must not exist unless --overwrite); unfinished state is kept in .OUT.partial beside it")
+    _add_text_args(p, seq_len=256)
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps at most (default 500); a rerun with more continues")
+    p.add_argument("--threshold", type=float, default=16384.0, help="every activation must end below this |x| (default 16384: 2 bits under 65504)")
+    p.add_argument("--margin-bits", type=float, default=0.25, help="stop once watched peaks are this many bits under the threshold (default 0.25)")
+    p.add_argument("--lr", type=float, default=3e-2, help="relative step: each tensor moves by about lr x its RMS (default 0.03)")
+    p.add_argument("--penalty-weight", type=float, default=1.0, help="weight of the hinge penalty against the KL term (default 1)")
+    p.add_argument("--polish-steps", type=int, default=50, help="steps after the peaks first meet the target, for the KL to recover (default 50)")
+    p.add_argument("--train", choices=("parent", "blocks", "all"), default="parent",
+                   help="what trains: the module around each watched site (default: a gate's MLP), its whole block, or all")
+    p.add_argument("--headroom-bits", type=float, default=2.0, help="headroom of the exact rescale that runs first (default 2)")
+    p.add_argument("--save-every", type=int, default=10, help="steps between training-state saves (default 10)")
+    p.add_argument("--resume-from", metavar="STATE", help="resume from this state file instead of OUT's partial folder")
+    p.add_argument("--restart", action="store_true", help="discard a saved training state and start over")
+    p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
+    p.set_defaults(func=cmd_finetune)
+
+    p = sub.add_parser("verify", help="compare fp32, bf16, fp16, fp16 baselines and a converted checkpoint on held-out text")
+    p.add_argument("model", help=f"the original: model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
+    p.add_argument("converted", nargs="?", help="the fp16 checkpoint `halfsafe convert` wrote from MODEL (optional)")
+    p.add_argument("--text", action="append", metavar="FILE", help="text file to measure on (repeatable; default: the embedded held-out text)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--max-samples", type=int, default=2, help="samples per text at most (default 2; 0: the whole text)")
+    p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens generated from the start of each text (default 32; 0: none)")
+    p.add_argument("--json", metavar="PATH", help="write every metric, per variant and per text, as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of KL per variant, and PATH-layers.png of per-layer peaks before/after")
+    p.set_defaults(func=cmd_verify)
     return parser
 
 

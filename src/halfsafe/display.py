@@ -81,3 +81,50 @@ def conversion_tables(report: ConversionReport, console: Console) -> None:
         console.print(f"[yellow]below the headroom target:[/] {site} at {fmt(v)}")
     for site, v in report.unfixable[:10]:
         console.print(f"[red]still above 65504 (no exact rescaling reaches it):[/] {site} at {fmt(v)}")
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def _opt(x, spec: str) -> str:
+    if x is None:
+        return "-"
+    return "[red]nan[/]" if x != x else format(x, spec)
+
+
+def verify_tables(report, console: Console) -> None:
+    """`halfsafe verify`: one row per variant, overall; then one table per text when there are several."""
+    texts = ", ".join(f"{t['name']} ({t['samples']} x <= {report.seq_len} tokens)" for t in report.texts)
+    t = Table(title=f"{report.model} vs its float32 run on {texts}", title_justify="left")
+    for col in ("variant", "custom code", "non-finite logits", "KL to fp32 / token", "top-1", "perplexity",
+                "max |logit err|", "greedy = fp32", "weights", "peak activations"):
+        t.add_column(col, justify="left" if col == "variant" else "right", no_wrap=col == "variant")
+    for r in report.results:
+        o = r.overall
+        nf = f"[red]{o.nonfinite_logits}[/]" if o.nonfinite_logits else "0"
+        greedy = f"{o.greedy_matched}/{o.greedy_total}" if o.greedy_total else "-"
+        t.add_row(r.name, "yes" if r.variant.custom_runtime else "no", nf, _opt(o.kl_mean, ".3e"), _opt(o.top1, ".2%"),
+                  _opt(o.perplexity, ".4g"), _opt(o.max_abs_logit_error, ".3g"), greedy, _bytes(r.parameter_bytes),
+                  _bytes(r.peak_activation_bytes))
+    console.print(t)
+    if len(report.texts) > 1:
+        for i, text in enumerate(report.texts):
+            per = Table(title=f"{text['name']}", title_justify="left")
+            for col in ("variant", "non-finite logits", "KL / token", "top-1", "perplexity", "greedy = fp32"):
+                per.add_column(col, justify="left" if col == "variant" else "right")
+            for r in report.results:
+                m = r.per_text[i]
+                per.add_row(r.name, str(m.nonfinite_logits), _opt(m.kl_mean, ".3e"), _opt(m.top1, ".2%"), _opt(m.perplexity, ".4g"),
+                            f"{m.greedy_matched}/{m.greedy_total}" if m.greedy_total else "-")
+            console.print(per)
+    for name, why in report.skipped.items():
+        console.print(f"[yellow]skipped {name}:[/] {why}")
+    ref = next((r for r in report.results if r.name == "fp32"), None)
+    if ref is not None:
+        console.print(f"KL and top-1 compare each variant's logits with fp32's at every position; greedy: of {report.greedy_tokens} "
+                      f"tokens generated from the first {report.prompt_tokens} of each text, those equal to fp32's before the first "
+                      "difference. Peak activations: one forward pass, beyond the weights.")

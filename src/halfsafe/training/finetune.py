@@ -1,0 +1,481 @@
+"""The fallback where no exact rescale reaches: a short fine-tune that lowers the remaining peaks.
+
+Gate pre-activations (SiLU/GELU inputs) and the like are not homogeneous: no power-of-two rescale
+moves them without changing the model. `finetune_below_threshold` trains the model to stay close to
+its original (KL distillation on the original's logits: the teacher is a frozen float32 copy) while
+a squared hinge penalises every |x| above a target at the watched sites (all sites whose float32
+peak exceeds the threshold):
+
+    loss = KL(teacher || student) per token + w * sum_sites sum_x relu(|x| / hinge - 1) / tokens
+    target = threshold * 2**-margin_bits, hinge = target * 2**-0.25
+
+(the hinge sits a little under the target: a penalty that starts at the target only approaches it;
+it is linear, a constant push: a squared hinge fades near the hinge and the KL term stalls it there).
+
+Only the module around each watched site trains (`train="parent"`: for a gate projection, the MLP
+holding it: gate, up and down; "blocks": the whole block; "all": everything), with a relative step: each tensor's learning rate is lr x its RMS, so a blown-up gate (RMS 1e3) and an
+ordinary projection (RMS 1e-2) both move by about lr of their size per step.
+
+It stops `polish_steps` after every watched peak first went below the target on every sample
+(confirmed by a full float32 scan of every site; a site that newly crosses the threshold joins the
+watched ones), once that still holds; or after `steps`. The polish lets the KL recover: the push that
+brought the peaks down overshoots, and the hinge holds them while the distillation pulls back. With a state file it saves the trained tensors and the optimizer every `save_every` steps
+and resumes from there.
+
+`finetune_checkpoint` is the whole pipeline behind `halfsafe finetune`: load, exact rescale first
+(`make_fp16_safe(..., allow_unfixable=True)`), fine-tune what is left, save an ordinary fp16 checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import nn
+
+from ..errors import HalfsafeError
+from ..formats import FP16_MAX
+from ..layers import find_blocks
+from ..scan import collect
+from ..stats import first_tensor
+
+STATE_VERSION = 1
+STATE_NAME = "finetune_state.pt"
+TRAIN_MODES = ("parent", "blocks", "all")
+_MIN_RMS = 1e-3  # floor for the relative step of tensors that are (nearly) zero
+HINGE_BITS_UNDER_TARGET = 0.25
+
+
+@dataclass
+class FinetuneConfig:
+    steps: int = 500  # at most this many optimizer steps (one sample each)
+    threshold: float = 16384.0  # every watched |x| must end below this (2 bits under 65504)
+    margin_bits: float = 0.25  # ... with this margin: the hinge acts above threshold * 2**-margin_bits
+    lr: float = 3e-2  # relative: a tensor moves by about lr x its RMS per step
+    penalty_weight: float = 1.0
+    polish_steps: int = 50  # steps after the target is first reached, for the KL to recover
+    train: str = "parent"  # what trains: the module around each watched site, its whole block, or "all"
+    save_every: int = 10  # optimizer steps between training-state saves (with a state file)
+    seed: int = 0
+    headroom_bits: float = 2.0  # the exact rescale that runs first (finetune_checkpoint)
+
+    @property
+    def target(self) -> float:
+        return self.threshold * 2.0 ** -self.margin_bits
+
+    @property
+    def hinge(self) -> float:
+        return self.target * 2.0 ** -HINGE_BITS_UNDER_TARGET
+
+    def check(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise HalfsafeError(f"--steps {self.steps} is not a positive number of steps: use e.g. --steps 200")
+        if not (0 < self.threshold <= FP16_MAX):
+            raise HalfsafeError(f"--threshold {self.threshold:g} must lie in (0, 65504]: activations must end below float16's maximum")
+        if not (0 <= self.margin_bits < 16):
+            raise HalfsafeError(f"--margin-bits {self.margin_bits:g} must lie in [0, 16)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise HalfsafeError(f"--lr {self.lr:g} must be a positive number (a relative step, e.g. 0.01)")
+        if not (self.penalty_weight > 0):
+            raise HalfsafeError(f"--penalty-weight {self.penalty_weight:g} must be positive")
+        if self.train not in TRAIN_MODES:
+            raise HalfsafeError(f"--train {self.train!r}: choose one of {', '.join(TRAIN_MODES)}")
+        if not isinstance(self.polish_steps, int) or self.polish_steps < 0:
+            raise HalfsafeError(f"--polish-steps {self.polish_steps} must be 0 or more")
+        if self.save_every < 1:
+            raise HalfsafeError(f"--save-every {self.save_every} must be at least 1")
+
+
+@dataclass
+class FinetuneReport:
+    steps: int  # optimizer steps taken in total (including those before a resume)
+    stop_reason: str
+    threshold: float
+    target: float
+    watched: list[str]
+    trainable: list[str]
+    peaks_before: dict[str, float]  # float32 |x| max over the samples, watched sites
+    peaks_after: dict[str, float]
+    max_peak_after: float  # over every site
+    max_site_after: str
+    kl: float  # mean KL(teacher || student) per token over the samples, after
+    converged: bool
+    resumed_from_step: int | None = None
+    history: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- hooks --------------------------------------------------------------------------------------
+class _Penalty:
+    """Differentiable hinge at the watched sites, and their peaks, for one forward pass."""
+
+    def __init__(self, model: nn.Module, sites: list[str], hinge: float):
+        self.hinge = hinge
+        self.total: torch.Tensor | None = None
+        self.peaks: dict[str, float] = {}
+        self._handles = []
+        modules = dict(model.named_modules())
+        for site in sites:
+            name, kind = site.rsplit(":", 1)
+            m = modules[name]
+            if kind == "in":
+                self._handles.append(m.register_forward_pre_hook(lambda mod, args, s=site: self._add(s, args)))
+            else:
+                self._handles.append(m.register_forward_hook(lambda mod, args, out, s=site: self._add(s, out)))
+
+    def _add(self, site: str, value) -> None:
+        t = first_tensor(value)
+        if t is None:
+            return
+        a = t.abs().float()
+        self.peaks[site] = max(self.peaks.get(site, 0.0), float(a.detach().max()))
+        if not t.requires_grad:
+            return
+        term = F.relu(a / self.hinge - 1.0).sum()
+        self.total = term if self.total is None else self.total + term
+
+    def reset(self) -> None:
+        self.total, self.peaks = None, {}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher || student) per token, in nats."""
+    s = F.log_softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1])
+    t = teacher_logp.reshape(-1, logits.shape[-1])
+    return F.kl_div(s, t, log_target=True, reduction="sum") / s.shape[0]
+
+
+@torch.no_grad()
+def _teacher_logp(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+
+
+# -- what trains ----------------------------------------------------------------------------------
+def _owner(site: str, blocks: list[str], mode: str) -> str:
+    """The module whose parameters train for `site`: its block ("blocks"), or ("parent") the module
+    around the site's module, never wider than the block (a block's own output trains the block)."""
+    module = site.rsplit(":", 1)[0]
+    block = next((b for b in blocks if module == b or module.startswith(b + ".")), None)
+    if mode == "blocks" or module == block:
+        return block or module
+    parent = module.rsplit(".", 1)[0] if "." in module else module
+    if block is None:  # outside the blocks (a head, an embedding): the module itself
+        return module
+    return parent if parent == block or parent.startswith(block + ".") else block
+
+
+def _trainable(model: nn.Module, watched: list[str], mode: str) -> list[str]:
+    names = [n for n, _ in model.named_parameters()]
+    if mode == "all":
+        return names
+    blocks = find_blocks(model)
+    owners = {_owner(s, blocks, mode) for s in watched}
+    chosen = [n for n in names if any(n.startswith(o + ".") for o in owners)]
+    lonely = [o for o in owners if not any(n.startswith(o + ".") for n in names)]
+    if lonely:  # a parameter-free module outside the blocks (an activation): let everything train
+        return names
+    return chosen
+
+
+def _param_groups(params: dict[str, nn.Parameter], names: list[str], lr: float) -> list[dict]:
+    groups = []
+    for n in names:
+        p = params[n]
+        rms = float(p.detach().float().pow(2).mean().sqrt()) if p.numel() else 0.0
+        groups.append({"params": [p], "lr": lr * max(rms, _MIN_RMS), "name": n})
+    return groups
+
+
+# -- the state file -----------------------------------------------------------------------------
+def _fingerprint(model: nn.Module, samples: list[torch.Tensor], config: FinetuneConfig) -> dict:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.cpu().numpy().tobytes())
+    cfg = {k: v for k, v in asdict(config).items() if k not in ("steps", "save_every", "polish_steps")}
+    with torch.no_grad():  # the weights the fine-tune starts from (another model of the same shape must not resume)
+        weights = sum(float(p.detach().double().abs().sum()) for p in model.parameters())
+    return {"model_type": model.config.model_type, "parameters": sum(p.numel() for p in model.parameters()),
+            "weights": f"{weights:.12e}", "samples": h.hexdigest()[:16], **cfg}
+
+
+def _save_state(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, path)
+
+
+def _load_state(path: Path, fingerprint: dict) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise HalfsafeError(f"could not read the fine-tune state {path} ({str(e).splitlines()[0][:120]}): delete it or pass --restart") from None
+    if data.get("version") != STATE_VERSION:
+        raise HalfsafeError(f"{path} was written by another halfsafe version: pass --restart to start over")
+    old = data.get("fingerprint", {})
+    diff = [k for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
+    if diff:
+        k = diff[0]
+        raise HalfsafeError(f"{path} belongs to a run with other settings ({k}: {old.get(k)!r} there, {fingerprint.get(k)!r} now): "
+                            "pass the same settings, or --restart to discard it")
+    return data
+
+
+# -- the loop -----------------------------------------------------------------------------------
+def _max_watched(sites: dict, watched: list[str]) -> float:
+    return max((sites[s].abs_max for s in watched if s in sites), default=0.0)
+
+
+def finetune_below_threshold(
+    model: nn.Module,
+    samples: list[torch.Tensor],
+    config: FinetuneConfig | None = None,
+    teacher: nn.Module | None = None,
+    progress: bool = True,
+    state_file: str | Path | None = None,
+) -> FinetuneReport:
+    """Fine-tune `model` (float32, in place) until every watched |x| is below `config.target` or
+    `config.steps` run out. `teacher`: the frozen original (default: a copy of `model` as it is now)."""
+    config = config or FinetuneConfig()
+    config.check()
+    if not samples:
+        raise HalfsafeError("no samples to fine-tune on: pass --text with some text")
+    torch.manual_seed(config.seed)
+    teacher = teacher if teacher is not None else copy.deepcopy(model)
+    teacher.eval().requires_grad_(False)
+    target, threshold = config.target, config.threshold
+
+    sites = collect(model, samples, progress=False)
+    bad = [s for s, st in sites.items() if not math.isfinite(st.abs_max)]
+    if bad:
+        raise HalfsafeError(f"the model computes inf/NaN in float32 at {bad[0]}: it cannot be fine-tuned into range")
+    watched = [s for s, st in sites.items() if st.abs_max > threshold]
+    peaks_before = {s: sites[s].abs_max for s in watched}
+    fingerprint = _fingerprint(model, samples, config)
+    state_path = Path(state_file) if state_file else None
+    state = _load_state(state_path, fingerprint) if state_path else None
+    if state is not None:
+        watched = list(state["watched"])
+        peaks_before = dict(state["peaks_before"])
+    if not watched:
+        top = max(sites.values(), key=lambda s: s.abs_max)
+        return FinetuneReport(0, "nothing above the threshold: no fine-tune needed", threshold, target, [], [], {}, {},
+                              top.abs_max, top.name, 0.0, True)
+
+    params = dict(model.named_parameters())
+    trainable = list(state["trainable"]) if state else _trainable(model, watched, config.train)
+    requires = {n: p.requires_grad for n, p in params.items()}
+    for n, p in params.items():
+        p.requires_grad_(n in set(trainable))
+    opt = torch.optim.Adam(_param_groups(params, trainable, config.lr))
+    step0, history = 0, []
+    if state is not None:
+        with torch.no_grad():
+            for n, t in state["params"].items():
+                params[n].copy_(t)
+        opt.load_state_dict(state["optimizer"])
+        step0, history = int(state["step"]), list(state["history"])
+
+    teacher_cache: dict[int, torch.Tensor] = {}
+    cache_ok = sum(s.numel() for s in samples) * model.config.get_text_config().vocab_size * 4 < (512 << 20)
+    last_peak: dict[int, float] = dict(state.get("last_peak", {})) if state else {}
+    reached_at: int | None = state.get("reached_at") if state else None  # step the target was first met
+    penalty = _Penalty(model, watched, config.hinge)
+    stop_reason, step = "", step0
+    model.train()
+    columns = (TextColumn("fine-tune"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+    try:
+        with Progress(*columns, disable=not progress, transient=False) as bar:
+            task = bar.add_task("fine-tune", total=config.steps, completed=step0, info="")
+            while step < config.steps:
+                i = step % len(samples)
+                ids = samples[i].to(next(model.parameters()).device)
+                t_logp = teacher_cache.get(i)
+                if t_logp is None:
+                    t_logp = _teacher_logp(teacher, ids)
+                    if cache_ok:
+                        teacher_cache[i] = t_logp
+                penalty.reset()
+                logits = model(input_ids=ids, use_cache=False).logits
+                kl = _kl(t_logp, logits)
+                pen = penalty.total / ids.numel() if penalty.total is not None else torch.zeros(())
+                loss = kl + config.penalty_weight * pen
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                step += 1
+                peak = max(penalty.peaks.values(), default=0.0)
+                last_peak[i] = peak
+                history.append({"step": step, "kl": float(kl.detach()), "penalty": float(pen.detach()), "peak": peak})
+                bar.update(task, completed=step, info=f"KL {float(kl.detach()):.2e}  peak {peak:.4g} / target {target:.4g}")
+                if len(last_peak) == len(samples) and max(last_peak.values()) <= target:
+                    model.eval()
+                    sites = collect(model, samples, progress=False)
+                    model.train()
+                    new = [s for s, st in sites.items() if st.abs_max > threshold and s not in watched]
+                    if not new and _max_watched(sites, watched) <= target:
+                        reached_at = step if reached_at is None else reached_at
+                        if step - reached_at >= config.polish_steps:
+                            stop_reason = (f"every watched peak is below {target:.4g} (threshold {threshold:g} with "
+                                           f"{config.margin_bits:g} bits margin), first at step {reached_at}")
+                            break
+                    if new:  # a site pushed over the threshold by the fine-tune itself joins the watched ones
+                        watched += new
+                        penalty.remove()
+                        penalty = _Penalty(model, watched, config.hinge)
+                        for n in _trainable(model, new, config.train):
+                            if n not in trainable:
+                                trainable.append(n)
+                                params[n].requires_grad_(True)
+                                opt.add_param_group(_param_groups(params, [n], config.lr)[0])
+                    last_peak.clear()
+                if state_path is not None and (step % config.save_every == 0 or step == config.steps):
+                    _save_state(state_path, {
+                        "version": STATE_VERSION, "fingerprint": fingerprint, "step": step, "watched": watched,
+                        "peaks_before": peaks_before, "trainable": trainable, "history": history,
+                        "params": {n: params[n].detach().clone() for n in trainable}, "optimizer": opt.state_dict(),
+                        "last_peak": dict(last_peak), "reached_at": reached_at,
+                    })
+    finally:
+        penalty.remove()
+        model.eval()
+        for n, p in params.items():
+            p.requires_grad_(requires[n])
+
+    sites = collect(model, samples, progress=False)
+    converged = _max_watched(sites, watched) <= target and all(st.abs_max <= threshold for st in sites.values())
+    if not stop_reason:
+        stop_reason = ("every watched peak is below the target" if converged
+                       else f"reached --steps {config.steps} with peaks still above the target")
+    top = max(sites.values(), key=lambda s: s.abs_max)
+    with torch.no_grad():
+        kls = [float(_kl(_teacher_logp(teacher, s), model(input_ids=s, use_cache=False).logits)) for s in samples]
+    return FinetuneReport(
+        steps=step, stop_reason=stop_reason, threshold=threshold, target=target, watched=watched, trainable=trainable,
+        peaks_before=peaks_before, peaks_after={s: sites[s].abs_max for s in watched if s in sites},
+        max_peak_after=top.abs_max, max_site_after=top.name, kl=sum(kls) / len(kls), converged=converged,
+        resumed_from_step=step0 if state is not None else None, history=history,
+    )
+
+
+# -- the pipeline behind `halfsafe finetune` --------------------------------------------------------
+def partial_dir(out: str | Path) -> Path:
+    """Where an unfinished fine-tune of OUT keeps its state: a hidden folder beside OUT."""
+    out = Path(out)
+    return out.parent / f".{out.name}.partial"
+
+
+def finetune_checkpoint(
+    source: str,
+    out: str,
+    texts: list[str] | None = None,
+    seq_len: int = 256,
+    max_samples: int | None = 8,
+    config: FinetuneConfig | None = None,
+    overwrite: bool = False,
+    restart: bool = False,
+    resume_from: str | None = None,
+    save_unconverged: bool = False,
+    progress: bool = True,
+):
+    """Load `source`, rescale exactly, fine-tune what no rescale reaches, save an fp16 checkpoint to `out`.
+    Returns (FinetuneReport, ConversionReport, fp16 check dict).
+
+    If `config.steps` run out with peaks still above the target, nothing is saved (unless
+    `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
+    so the same command with a larger --steps continues where this one stopped."""
+    from ..calibration import make_samples, read_texts
+    from ..checkpoint import check_out_dir, save_fp16_checkpoint
+    from ..convert import make_fp16_safe
+    from ..families import family_for
+    from ..loading import load_model
+
+    config = config or FinetuneConfig()
+    config.check()
+    check_out_dir(out, overwrite)
+    if restart and resume_from:
+        raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
+    state_file = Path(resume_from) if resume_from else partial_dir(out) / STATE_NAME
+    if resume_from and not state_file.is_file():
+        raise HalfsafeError(f"--resume-from {resume_from}: no such file (the state is {STATE_NAME} in the partial folder)")
+    if restart and state_file.exists():
+        state_file.unlink()
+    texts = read_texts(None) if texts is None else texts
+    loaded = load_model(source)
+    model = loaded.model
+    family_for(model.config.model_type)  # unsupported architectures fail before the slow part
+    vocab = model.config.get_text_config().vocab_size
+    samples = make_samples(texts, loaded.tokenizer, vocab, seq_len, max_samples)
+    teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
+    conversion = make_fp16_safe(model, samples, headroom_bits=config.headroom_bits, allow_unfixable=True, progress=progress)
+    report = finetune_below_threshold(model, samples, config, teacher, progress, state_file)
+    del teacher
+    if not report.converged and not save_unconverged:
+        worst = max(report.peaks_after, key=report.peaks_after.get, default=report.max_site_after)
+        peak = report.peaks_after.get(worst, report.max_peak_after)
+        raise HalfsafeError(
+            f"not below the target after {report.steps} steps: {worst} still reaches {peak:.4g} (target {report.target:.4g}); "
+            f"the state is kept in {state_file.parent}: run again with a larger --steps to continue, "
+            "or pass --save-unconverged to save as it is"
+        )
+    fp16 = fp16_check(model, samples)
+    info = {"source": str(source), **conversion.to_dict(), "finetune": report.to_dict(), "fp16_check_after_finetune": fp16}
+    save_fp16_checkpoint(model, loaded.tokenizer, out, info, loaded.folder, overwrite)
+    if report.steps:
+        _append_card(Path(out) / "README.md", report, fp16)
+    if not resume_from:
+        shutil.rmtree(partial_dir(out), ignore_errors=True)
+    return report, conversion, fp16
+
+
+FP16_CHECK_TOKENS = 128
+
+
+@torch.no_grad()
+def fp16_check(model: nn.Module, samples: list[torch.Tensor]) -> dict:
+    """An fp16 copy on a short prefix of the first samples: finite, and the largest |x| it computes."""
+    from ..precision import cast_copy
+
+    half = cast_copy(model, torch.float16).eval()
+    ids = [s[:, :FP16_CHECK_TOKENS] for s in samples[:2]]
+    sites = collect(half, ids, progress=False)
+    del half
+    top = max(sites.values(), key=lambda s: s.abs_max)
+    return {"finite": all(math.isfinite(s.abs_max) for s in sites.values()), "peak": top.abs_max, "peak_site": top.name,
+            "tokens": sum(i.numel() for i in ids)}
+
+
+def _append_card(path: Path, report: FinetuneReport, fp16: dict) -> None:
+    lines = [
+        "",
+        "## float16 penalty fine-tune (halfsafe finetune)",
+        "",
+        "After the exact rescaling above, some activations no exact rescaling reaches were still above the",
+        f"threshold ({report.threshold:g}); the model was fine-tuned for {report.steps} steps to bring them down while",
+        "staying close to the original (KL distillation on the original's logits). These weights are therefore",
+        f"*not* an exact rescaling: mean KL to the original {report.kl:.2e} nats/token on the fine-tune text.",
+        "",
+        f"- sites fine-tuned: {', '.join(report.watched[:6])}{' ...' if len(report.watched) > 6 else ''}",
+        f"- stop: {report.stop_reason}",
+        f"- largest |x| after (float32): {report.max_peak_after:.4g} at {report.max_site_after}",
+        f"- float16 check: finite = {fp16['finite']}, largest |x| {fp16['peak']:.4g}",
+    ]
+    text = path.read_text() if path.exists() else ""
+    path.write_text(text.rstrip() + "\n" + "\n".join(lines) + "\n")

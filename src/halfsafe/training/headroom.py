@@ -1,0 +1,152 @@
+"""Cheap peak sampling during training: |x| max at chosen sites on one forward pass, then the hooks go.
+
+Sites are named as `stats.ActivationCollector` names them ("module:out", "leaf:in"), so sampled peaks
+plug straight into the planner (`plan.constraints_from` / `plan.solve`). Each hook keeps one scalar
+tensor (no host sync inside the forward); `collect()` turns them into floats.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..formats import FP16_MAX
+from ..layers import find_blocks
+from ..stats import first_tensor
+
+WATCH_ALL = "all"  # block outputs plus every leaf module's input and output
+WATCH_BLOCKS = "blocks"  # block outputs only (the residual stream)
+
+
+def headroom_bits(peak: float) -> float:
+    """log2(65504 / peak): doublings left before float16 overflows; -inf once it has."""
+    if not math.isfinite(peak):
+        return -math.inf
+    return math.log2(FP16_MAX / peak) if peak > 0 else math.inf
+
+
+class PeakSampler:
+    """`arm()` before a forward pass; the hooks record that one pass and remove themselves.
+
+    watch: "all", "blocks", or a list of regular expressions over site names (block outputs are
+    always included).
+    """
+
+    def __init__(self, model: nn.Module, watch: str | list[str] = WATCH_ALL):
+        self.model = model
+        self.blocks = find_blocks(model)
+        self.sites = self._choose(watch)
+        self.peaks: dict[str, torch.Tensor] = {}
+        self.input_ids: torch.Tensor | None = None  # a short slice of the sampled batch (for probing)
+        self._handles: list = []
+
+    def _choose(self, watch) -> list[tuple[str, str]]:
+        blocks = set(self.blocks)
+        sites: list[tuple[str, str]] = []
+        patterns = None if isinstance(watch, str) else [re.compile(p) for p in watch]
+        if isinstance(watch, str) and watch not in (WATCH_ALL, WATCH_BLOCKS):
+            raise ValueError(f"watch must be {WATCH_ALL!r}, {WATCH_BLOCKS!r} or a list of regular expressions, not {watch!r}")
+        for name, module in self.model.named_modules():
+            if not name:
+                continue
+            leaf = next(module.children(), None) is None
+            for kind in (("in", "out") if leaf else ("out",)):
+                site = f"{name}:{kind}"
+                if name in blocks and kind == "out":
+                    sites.append((name, kind))
+                elif watch == WATCH_ALL and leaf:
+                    sites.append((name, kind))
+                elif patterns is not None and any(p.search(site) for p in patterns):
+                    sites.append((name, kind))
+        return sites
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        if self.armed:
+            return
+        self.peaks = {}
+        modules = dict(self.model.named_modules())
+        for name, kind in self.sites:
+            m = modules[name]
+            if kind == "in":
+                self._handles.append(m.register_forward_pre_hook(self._pre(f"{name}:in")))
+            else:
+                self._handles.append(m.register_forward_hook(self._post(f"{name}:out")))
+        self._handles.append(self.model.register_forward_pre_hook(self._capture_ids, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(lambda *_: self.disarm(), always_call=True))
+
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _record(self, site: str, value) -> None:
+        t = first_tensor(value)
+        if t is None or t.numel() == 0:
+            return
+        peak = t.detach().abs().amax().float()
+        old = self.peaks.get(site)
+        self.peaks[site] = peak if old is None else torch.maximum(old, peak)
+
+    def _pre(self, site: str):
+        def hook(module, args):
+            self._record(site, args)
+
+        return hook
+
+    def _post(self, site: str):
+        def hook(module, args, output):
+            self._record(site, output)
+
+        return hook
+
+    def _capture_ids(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+            self.input_ids = ids[:1, :32].detach().clone()
+
+    def collect(self) -> dict[str, float]:
+        """Peaks of the last armed pass (NaN counts as overflow: inf); clears them."""
+        out = {}
+        for site, t in self.peaks.items():
+            v = float(t)
+            out[site] = math.inf if math.isnan(v) else v
+        self.peaks = {}
+        return out
+
+    def layer_of(self, site: str) -> int | None:
+        module = site.rsplit(":", 1)[0]
+        for i, b in enumerate(self.blocks):
+            if module == b or module.startswith(b + "."):
+                return i
+        return None
+
+
+@contextmanager
+def plain_fp32_forward(model: nn.Module):
+    """Run `model` in eval mode without autocast, even where accelerate patched its forward with one."""
+    patched = model.__dict__.get("forward")
+    original = getattr(model, "_original_forward", None)
+    was_training = model.training
+    if patched is not None and original is not None:
+        model.forward = original
+    model.eval()
+    try:
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else _null():
+            yield model
+    finally:
+        model.train(was_training)
+        if patched is not None and original is not None:
+            model.forward = patched
+
+
+@contextmanager
+def _null():
+    yield

@@ -1,0 +1,213 @@
+"""`verify` and its baselines: on a tiny model end to end (API and CLI), and on the real Gemma 3 270M, where plain
+fp16 is NaN, the converted checkpoint is finite and closer to fp32 than bf16, and the clamp baseline is not."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from halfsafe.baselines import ONNX_CLAMP, clamp_residual_adds
+from halfsafe.calibration import default_text, heldout_text, make_samples
+from halfsafe.convert import make_fp16_safe
+from halfsafe.forward import logits
+from halfsafe.layers import find_blocks
+from halfsafe.precision import cast_copy
+from halfsafe.runtime import keep_residual_fp32, residual_writers
+from halfsafe.verify import (
+    ALL_VARIANTS, BF16, CLAMP, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, markdown_table, verify,
+    write_plots,
+)
+from tiny import make_tiny, tiny_ids
+
+METRICS = {"positions", "nonfinite_logits", "nonfinite_positions", "kl_mean", "top1", "perplexity", "max_abs_logit_error",
+           "greedy_matched", "greedy_total", "greedy_fraction"}
+PER_VARIANT = {"name", "dtype", "custom_runtime", "converted", "description", "overall", "per_text", "parameter_bytes",
+               "peak_activation_bytes", "memory_method", "layer_peaks", "greedy_tokens", "forward_seconds"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _block_outputs(model, ids):
+    """The hidden state each block returns (the residual stream after it)."""
+    modules = dict(model.named_modules())
+    seen = []
+    hooks = [modules[b].register_forward_hook(lambda m, a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+             for b in find_blocks(model)]
+    try:
+        logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _check_json(data: dict, variants: list[str]) -> None:
+    data = json.loads(json.dumps(data, allow_nan=True))  # serialisable as it is
+    assert [v["name"] for v in data["variants"]] == variants
+    for v in data["variants"]:
+        assert PER_VARIANT <= set(v), PER_VARIANT - set(v)
+        assert METRICS <= set(v["overall"]), METRICS - set(v["overall"])
+        assert len(v["per_text"]) == len(data["texts"]) and all(METRICS <= set(m) for m in v["per_text"])
+        assert v["parameter_bytes"] > 0 and v["peak_activation_bytes"] > 0
+        assert len(v["layer_peaks"]) == len(data["layers"])
+    assert {"torch", "transformers", "cpu", "cpu_cores"} <= set(data["environment"])
+
+
+def _check_pngs(paths) -> None:
+    assert len(paths) == 2
+    for p in paths:
+        assert p.stat().st_size > 1000 and p.read_bytes()[:8] == PNG_MAGIC
+
+
+# --- tiny model: fast --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A tiny Llama (fp32) and its halfsafe conversion in fp16."""
+    model = make_tiny("llama")
+    conv = copy.deepcopy(model)
+    make_fp16_safe(conv, make_samples([default_text()], None, model.config.vocab_size, 32, 2), progress=False)
+    return model, cast_copy(conv, torch.float16).eval()
+
+
+def test_verify_api_end_to_end_on_a_tiny_model(tiny_pair, tmp_path):
+    model, half = tiny_pair
+    texts = [heldout_text()[:600], default_text()[:300]]
+    report = verify(model, half, texts=texts, text_names=["a", "b"], seq_len=48, max_samples=2, greedy_tokens=4, prompt_tokens=6)
+    assert [r.name for r in report.results] == list(ALL_VARIANTS)
+    assert [t["name"] for t in report.texts] == ["a", "b"] and report.texts[0]["samples"] == 2
+    ref = report.result(REFERENCE).overall
+    assert ref.kl_mean == 0 and ref.top1 == 1 and ref.max_abs_logit_error == 0 and ref.greedy_matched == ref.greedy_total == 8
+    assert math.isfinite(ref.perplexity) and ref.perplexity > 1
+    for r in report.results:
+        o = r.overall
+        assert o.nonfinite_logits == 0 and o.positions == report.texts[0]["tokens"] + report.texts[1]["tokens"]
+        assert 0 <= o.kl_mean < 1e-4 and o.top1 > 0.9 and abs(math.log(o.perplexity / ref.perplexity)) < 0.05
+        assert r.variant.custom_runtime == (r.name in (CLAMP, FP32_RESIDUAL, HALFSAFE_FP32_RESIDUAL))
+    assert report.result(FP16).parameter_bytes * 2 == report.result(REFERENCE).parameter_bytes
+    assert report.result(BF16).overall.kl_mean > report.result(HALFSAFE).overall.kl_mean  # fp16 has 3 more bits
+    _check_json(report.to_dict(), list(ALL_VARIANTS))
+    _check_pngs(write_plots(report, tmp_path / "v.png"))
+    table = markdown_table(report)
+    assert all(f"| {v} |" in table for v in ALL_VARIANTS)
+
+
+def test_verify_without_a_converted_model_runs_the_baselines_only(tiny_pair):
+    model, _ = tiny_pair
+    report = verify(model, texts=["hello world, " * 20], seq_len=32, max_samples=1, greedy_tokens=0, variants=[FP16, HALFSAFE])
+    assert [r.name for r in report.results] == [REFERENCE, FP16]
+    assert HALFSAFE in report.skipped and report.result(FP16).overall.greedy_total is None
+
+
+def test_clamp_clamps_each_residual_add_and_nothing_else():
+    model = make_tiny("gemma3_text")
+    ids = tiny_ids(model)
+    ref = logits(model, ids)
+    with clamp_residual_adds(model, 1e30) as h:  # far above every value: the model's function is untouched
+        assert torch.equal(logits(model, ids), ref)
+    assert h.adds == 2 * model.config.num_hidden_layers
+    limit = 0.5 * max(float(x.abs().max()) for x in _block_outputs(model, ids))
+    with clamp_residual_adds(model, limit):
+        outs = _block_outputs(model, ids)
+        assert not torch.equal(logits(model, ids), ref)
+    assert all(float(x.abs().max()) <= limit for x in outs)  # every block ends on a clamped add
+    assert torch.equal(logits(model, ids), ref)  # removed
+
+
+@pytest.mark.parametrize("key", ["llama", "gemma3_text", "gpt2", "gpt_neox", "t5"])
+def test_keep_residual_fp32_keeps_weights_fp16_and_the_stream_fp32(key):
+    model = make_tiny(key)
+    ids = tiny_ids(model)
+    ref = logits(model, ids)
+    half = cast_copy(model, torch.float16)
+    assert all(x.dtype == torch.float16 for x in _block_outputs(half, ids))
+    with keep_residual_fp32(half):
+        assert all(x.dtype == torch.float32 for x in _block_outputs(half, ids))
+        out = logits(half, ids).float()
+    assert all(p.dtype == torch.float16 for p in half.parameters())
+    assert torch.isfinite(out).all() and float((out - ref).abs().max()) < 1e-2
+    assert all(x.dtype == torch.float16 for x in _block_outputs(half, ids))  # removed
+    assert len(residual_writers(half)) >= 2 * len(find_blocks(half))  # T5 decoder blocks have 3
+
+
+def test_cli_verify_on_tiny_checkpoints(tmp_path):
+    from halfsafe.cli import main
+    from halfsafe.convert import convert_checkpoint
+
+    src, out = tmp_path / "tiny", tmp_path / "tiny-fp16"
+    make_tiny("qwen2").save_pretrained(src)
+    convert_checkpoint(str(src), str(out), seq_len=32, max_samples=1, progress=False)
+    text = tmp_path / "t.txt"
+    text.write_text(heldout_text()[:400])
+    js, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["verify", str(src), str(out), "--text", str(text), "--seq-len", "32", "--max-samples", "1",
+               "--greedy-tokens", "3", "--json", str(js), "--plot", str(png)])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    _check_json(data, list(ALL_VARIANTS))
+    assert data["texts"][0]["name"] == "t.txt" and data["converted"] == str(out)
+    _check_pngs([png, tmp_path / "r-layers.png"])
+    assert main(["verify", str(src), str(tmp_path / "missing")]) == 2
+
+
+# --- the real Gemma 3 270M: slow ---------------------------------------------------------------------------------
+
+GEMMA_VARIANTS = [BF16, FP16, CLAMP, HALFSAFE, HALFSAFE_FP32_RESIDUAL]
+
+
+@pytest.fixture(scope="module")
+def gemma3_report(gemma3_folder, gemma3_converted):
+    # fp16 matmuls are slow on CPUs: one short sample, a few greedy tokens
+    return verify(str(gemma3_folder), gemma3_converted, seq_len=64, max_samples=1, greedy_tokens=4, prompt_tokens=8,
+                  variants=GEMMA_VARIANTS)
+
+
+@pytest.mark.slow
+def test_gemma3_plain_fp16_is_non_finite_and_converted_fp16_beats_bf16(gemma3_report):
+    r = gemma3_report
+    fp16, bf16, conv = r.result(FP16).overall, r.result(BF16).overall, r.result(HALFSAFE).overall
+    assert fp16.nonfinite_logits > 0 and math.isnan(fp16.kl_mean)
+    assert conv.nonfinite_logits == 0 and bf16.nonfinite_logits == 0
+    assert conv.kl_mean < bf16.kl_mean / 4, (conv.kl_mean, bf16.kl_mean)
+    assert conv.top1 >= bf16.top1 and conv.greedy_matched == conv.greedy_total
+    assert not r.result(HALFSAFE).variant.custom_runtime
+    peak_before, peak_after = max(r.result(REFERENCE).layer_peaks), max(r.result(HALFSAFE).layer_peaks)
+    assert peak_before > 65504 > peak_after
+
+
+@pytest.mark.slow
+def test_gemma3_clamp_baseline_is_finite_but_worse_than_converted(gemma3_report):
+    clamp, conv = gemma3_report.result(CLAMP), gemma3_report.result(HALFSAFE)
+    assert clamp.overall.nonfinite_logits == 0 and clamp.variant.custom_runtime
+    assert clamp.overall.kl_mean > 10 * conv.overall.kl_mean
+    assert max(clamp.layer_peaks) <= ONNX_CLAMP
+
+
+@pytest.mark.slow
+def test_gemma3_converted_with_fp32_residual_is_finite(gemma3_report):
+    r = gemma3_report.result(HALFSAFE_FP32_RESIDUAL)
+    assert r.overall.nonfinite_logits == 0 and r.overall.kl_mean < gemma3_report.result(BF16).overall.kl_mean
+    assert r.variant.custom_runtime
+
+
+@pytest.mark.slow
+def test_gemma3_report_json_and_png(gemma3_report, tmp_path):
+    _check_json(gemma3_report.to_dict(), [REFERENCE, *GEMMA_VARIANTS])
+    _check_pngs(write_plots(gemma3_report, tmp_path / "gemma3.png"))
+
+
+@pytest.mark.slow
+def test_keep_residual_fp32_on_the_converted_gemma3(gemma3_converted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gemma3_converted, dtype=torch.float16).eval()
+    ids = AutoTokenizer.from_pretrained(gemma3_converted)(heldout_text()[:300], return_tensors="pt").input_ids[:, :48]
+    with keep_residual_fp32(model):
+        outs = _block_outputs(model, ids)
+        out = logits(model, ids)
+    assert all(x.dtype == torch.float32 for x in outs) and torch.isfinite(out).all()
+    assert all(p.dtype == torch.float16 for p in model.parameters())
