@@ -460,10 +460,9 @@ class _Runner:
         )
 
 
-def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrainedModel:
-    """The converted checkpoint in float16, every module float16 (transformers' fp32 islands turned off)."""
-    from .loading import _quiet_transformers, model_class_for, read_config
-    from .runtime import load_pure_fp16
+def _check_converted(converted: str | Path, original: PreTrainedModel):
+    """The converted folder's config, if it is a checkpoint of the original's architecture (checked up front)."""
+    from .loading import read_config
 
     folder = Path(converted).expanduser()
     if not folder.is_dir():
@@ -474,6 +473,16 @@ def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrai
             f"{converted} is a {config.model_type!r} model but the original is {original.config.model_type!r}: "
             "give the checkpoint converted from this model"
         )
+    return config
+
+
+def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrainedModel:
+    """The converted checkpoint in float16, every module float16 (transformers' fp32 islands turned off)."""
+    from .loading import _quiet_transformers, model_class_for
+    from .runtime import load_pure_fp16
+
+    folder = Path(converted).expanduser()
+    config = _check_converted(converted, original)
     try:
         with _quiet_transformers():
             model = load_pure_fp16(model_class_for(config), folder, local_files_only=True)
@@ -557,6 +566,8 @@ def verify(
     if unknown:
         raise HalfsafeError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(ALL_VARIANTS)}")
     skipped: dict[str, str] = {}
+    if converted is not None and not isinstance(converted, nn.Module):
+        _check_converted(converted, original)  # fail before the slow part
     if converted is None:
         for v in CONVERTED:
             if v in wanted:
