@@ -141,6 +141,11 @@ def _problems(constraints: list[Constraint], exps: dict[str, int], headroom_bits
     return sorted(unfixable, key=lambda x: -x[1]), sorted(tight, key=lambda x: -x[1])
 
 
+def default_samples(model: PreTrainedModel, tokenizer) -> list[torch.Tensor]:
+    """The embedded calibration text as 8 samples of 512 tokens (the CLI's defaults)."""
+    return make_samples([default_text()], tokenizer, model.config.get_text_config().vocab_size, 512, 8)
+
+
 @torch.no_grad()
 def plan_fp16_safe(
     model: PreTrainedModel,
@@ -157,8 +162,7 @@ def plan_fp16_safe(
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     if samples is None:
-        vocab = model.config.get_text_config().vocab_size
-        samples = make_samples([default_text()], tokenizer, vocab, 512, 8)
+        samples = default_samples(model, tokenizer)
     report = scan_report or scan(model, samples, progress=progress)
     governed = probe(model, family, groups, samples[0][:, :PROBE_TOKENS])
     constraints = constraints_from(report.sites, governed, groups, dict(model.named_parameters()))
@@ -197,8 +201,7 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
     in float32 without overflow. Options as for `plan_fp16_safe`. Returns what was measured, chosen
     and checked: the fp16 storage error of every touched tensor and the fp32 output change."""
     if samples is None:
-        vocab = model.config.get_text_config().vocab_size
-        samples = make_samples([default_text()], tokenizer, vocab, 512, 8)
+        samples = default_samples(model, tokenizer)
     report = plan_fp16_safe(model, samples, **options)
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
