@@ -18,9 +18,12 @@ from halfsafe.precision import cast_copy
 from halfsafe.probe import probe
 from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import scan
+from stress import make_stress, weight_peak
 from tiny import TINY, make_tiny, tiny_ids
 
 KEYS = sorted(TINY)
+EXACT_CHANGE = 1e-6  # measured 0 on every family but pegasus
+FIXED_EPS_CHANGE = 1e-2  # pegasus: 3.0e-3 measured (fixed LayerNorm eps)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,7 +44,7 @@ FIXED_EPS = ("its norm eps is fixed in the modeling code, so a rescale that move
              "to eps / s**2: ~1e-5 on this tiny model, above 1e-6 (test_fixed_norm_eps_is_the_only_error checks it)")
 
 
-@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=FIXED_EPS))
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=FIXED_EPS))
                                  if _fixed_norm_eps(k) else k for k in KEYS])
 def test_random_power_of_two_plan_is_exact(key):
     model = make_tiny(key)
@@ -52,11 +55,39 @@ def test_random_power_of_two_plan_is_exact(key):
     assert groups, "the family data matched nothing"
     rng = random.Random(0)
     exps = {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_exponents_(model, family, groups, exps)
     out = logits(model, ids)
     assert _rel(out, ref) < 1e-6
-    # and the plan really moved weights: a wrong rescale would show up above
-    assert any(p.abs().max() > 0 for p in model.parameters())
+    _check_moved_as_declared(model, groups, exps, before)
+
+
+def _check_moved_as_declared(model, groups, exps, before) -> None:
+    """Every tensor the groups name moved by exactly 2**(sum of exponent x power), computed here by hand
+    (a (1+w) gain: (1+w) * 2**e - 1 in float64); every other tensor is untouched."""
+    total: dict[tuple, int] = {}
+    kinds: dict[str, str] = {}
+    for g in groups:
+        for m in g.moves:
+            rows = None if m.select is None else (m.select[0], tuple(range(*m.select[1].indices(before[m.param].shape[m.select[0]])))
+                                                   if isinstance(m.select[1], slice) else tuple(m.select[1].tolist()))
+            total[(m.param, rows)] = total.get((m.param, rows), 0) + exps[g.name] * m.power
+            kinds[m.param] = m.kind
+    after = dict(model.named_parameters())
+    expected = {n: t.clone() for n, t in before.items()}
+    for (name, rows), e in total.items():
+        if kinds[name] == "gain1p":
+            expected[name] = ((1 + before[name].double()) * 2.0 ** e - 1).float()
+        elif rows is None:
+            expected[name] = before[name] * 2.0 ** e
+        else:
+            dim, index = rows
+            idx = (slice(None),) * dim + (list(index),)
+            expected[name][idx] = before[name][idx] * 2.0 ** e
+    moved = {n for n, _ in total}
+    assert moved, "the family data matched nothing"
+    for n, p in after.items():
+        assert torch.equal(p.detach(), expected[n]), f"{n} did not move as its group declares"
 
 
 @pytest.mark.parametrize("key", [k for k in KEYS if _fixed_norm_eps(k)])
@@ -78,7 +109,8 @@ def test_fixed_norm_eps_is_the_only_error(key, eps_zero):
     rng = random.Random(0)
     exps = {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups}
     apply_exponents_(model, family, groups, exps)
-    assert _rel(logits(model, ids), ref) < (1e-6 if eps_zero else 1e-3)
+    # measured: 0 with eps at 0; 1.4e-5 (bart) and 1.3e-5 (pegasus) as shipped
+    assert _rel(logits(model, ids), ref) < (1e-6 if eps_zero else 1e-4)
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -98,43 +130,34 @@ def test_plan_then_inverse_restores_weights_bit_for_bit(key):
     assert model.config.to_dict() == eps_before
 
 
-def _residual_groups(model, family, groups, ids) -> set[str]:
-    """The groups a stress model blows up: those that scale the residual stream, i.e. some norm's input.
-    A pre-norm family has one such group for the whole model. A post-norm family has no single residual
-    scale (each norm's output has its own), so every per-block group whose probe moves a norm's input
-    counts too; pairs (q/k, v/o, up/down, Qwen3's q/k norm gains) move none and stay as they are."""
-    modules = dict(model.named_modules())
-
-    def norm_input(site: str) -> bool:
-        name, kind = site.rsplit(":", 1)
-        return kind == "in" and "norm" in type(modules[name]).__name__.lower()
-
-    moved = probe(model, family, groups, ids)
-    return {g.name for g in groups if g.block is None or any(norm_input(s) for s in moved[g.name])}
+# Measured exceptions to "10x closer to fp32 than bf16" (ratio bf16 KL / halfsafe KL on this test's inputs):
+# pegasus 1.4 (its LayerNorm eps is fixed in code, so the 2^-5 residual scale moves every norm by eps / s**2;
+# the fp32 output itself changes by 3e-3); gemma 7.4 and t5 6.4 (the tiny models' ordinary channels are ~0.02,
+# so a 2^-7 / 2^-8 residual scale puts them near fp16's subnormal range, 6.1e-5; real checkpoints' are O(1)).
+BELOW_10X = {"pegasus": FIXED_EPS, "gemma": "ordinary channels near fp16 subnormals (measured 7.4x)",
+             "t5": "ordinary channels near fp16 subnormals (measured 6.4x)"}
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_blown_up_model_overflows_in_fp16_then_converts(key):
-    # A blow-up by 2**k leaves a tied (1+w) head gain at (1+w)/2**k - 1, near -1, where neither fp32
-    # nor fp16 has bits left: no real model looks like that, so the stress model unties its head.
-    model = make_tiny(key, untie=True)
-    ids = tiny_ids(model, length=16)
-    ref = logits(model, ids)
-    family = family_for(model.config.model_type)
-    groups = expand(family, model)
-    peak = max(layer.residual_peak for layer in scan(model, [ids], progress=False).layers)
-    k = math.ceil(math.log2(4 * 65504 / peak))
-    apply_exponents_(model, family, groups, {g: k for g in _residual_groups(model, family, groups, ids)})
-    # Exact algebra; only a tied Gemma head loses bits, since its norm casts (1+w)/2**k - 1 to fp32.
-    assert _rel(logits(model, ids), ref) < 1e-2
-    ref = logits(model, ids)
-    assert not scan(model, [ids], progress=False).fp16_safe
-    assert not torch.isfinite(logits(cast_copy(model, torch.float16), ids)).all(), "stress model should break fp16"
+@pytest.mark.parametrize("key", [pytest.param(k, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=BELOW_10X[k]))
+                                 if k in BELOW_10X else k for k in KEYS])
+def test_activation_overflow_converts_finite_and_beats_bf16(key):
+    """A model whose activations (never its weights) pass 65504, shaped like a real bf16 model (massive
+    channels growing with depth; tests/stress.py, independent of halfsafe's rescaling code): plain fp16
+    overflows; converted, it runs finite on other text and at least 10x closer to fp32 than bf16 does."""
+    model = make_tiny(key)
+    calib, held = tiny_ids(model, length=16, seed=1), tiny_ids(model, length=32, seed=2)
+    make_stress(model, lambda: (logits(model, calib), logits(model, held)))
+    assert weight_peak(model) < 65504, "a stress weight itself overflows fp16"
+    ref = logits(model, held)
+    bf16 = mean_kl(ref, logits(cast_copy(model, torch.bfloat16), held).float())
+    plain = logits(cast_copy(model, torch.float16), held).float()
+    # plain fp16 breaks: inf/NaN, or (T5 clamps its fp16 hidden states in code) >10x worse than bf16 (t5: 41x)
+    assert not torch.isfinite(plain).all() or mean_kl(ref, plain) > 10 * bf16, "stress model should break fp16"
 
-    report = make_fp16_safe(model, samples=[ids], progress=False)
+    report = make_fp16_safe(model, samples=[calib], progress=False)
     assert not report.unfixable
-    half = cast_copy(model, torch.float16)
-    out = logits(half, ids).float()
+    out = logits(cast_copy(model, torch.float16), held).float()
     assert torch.isfinite(out).all()
-    assert mean_kl(ref, out) < 1e-4
-    assert report.fp32_output_change < 1e-5
+    kl = mean_kl(ref, out)
+    assert kl <= bf16 / 10, (kl, bf16)
+    assert report.fp32_output_change < (FIXED_EPS_CHANGE if _fixed_norm_eps(key) else EXACT_CHANGE)
