@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from halfsafe.baselines import ONNX_CLAMP, clamp_residual_adds
 from halfsafe.calibration import default_text, heldout_text, make_samples
@@ -21,6 +22,7 @@ from halfsafe.verify import (
     ALL_VARIANTS, BF16, CLAMP, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, markdown_table, verify,
     write_plots,
 )
+from stress import make_stress
 from tiny import make_tiny, tiny_ids
 
 METRICS = {"positions", "nonfinite_logits", "nonfinite_positions", "kl_mean", "top1", "perplexity", "max_abs_logit_error",
@@ -67,10 +69,14 @@ def _check_pngs(paths) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-    """A tiny Llama (fp32) and its halfsafe conversion in fp16."""
+    """A tiny Llama whose activations overflow fp16 (tests/stress.py) and its halfsafe conversion in fp16: the
+    plan is not empty, so the converted model really differs from the original."""
     model = make_tiny("llama")
+    calib = make_samples([default_text()], None, model.config.vocab_size, 32, 2)
+    make_stress(model, lambda: [logits(model, ids) for ids in calib])
     conv = copy.deepcopy(model)
-    make_fp16_safe(conv, make_samples([default_text()], None, model.config.vocab_size, 32, 2), progress=False)
+    report = make_fp16_safe(conv, calib, progress=False)
+    assert report.plan.exponents.get("residual", 0) < 0
     return model, cast_copy(conv, torch.float16).eval()
 
 
@@ -80,20 +86,66 @@ def test_verify_api_end_to_end_on_a_tiny_model(tiny_pair, tmp_path):
     report = verify(model, half, texts=texts, text_names=["a", "b"], seq_len=48, max_samples=2, greedy_tokens=4, prompt_tokens=6)
     assert [r.name for r in report.results] == list(ALL_VARIANTS)
     assert [t["name"] for t in report.texts] == ["a", "b"] and report.texts[0]["samples"] == 2
-    ref = report.result(REFERENCE).overall
-    assert ref.kl_mean == 0 and ref.top1 == 1 and ref.max_abs_logit_error == 0 and ref.greedy_matched == ref.greedy_total == 8
-    assert math.isfinite(ref.perplexity) and ref.perplexity > 1
+    tokens = report.texts[0]["tokens"] + report.texts[1]["tokens"]
+    assert all(r.overall.positions == tokens for r in report.results)
+    assert report.result(FP16).overall.nonfinite_logits > 0 and math.isnan(report.result(FP16).overall.kl_mean)
+    bf16, conv = report.result(BF16).overall, report.result(HALFSAFE).overall
+    assert conv.nonfinite_logits == 0 and conv.kl_mean <= bf16.kl_mean / 10, (conv.kl_mean, bf16.kl_mean)
     for r in report.results:
-        o = r.overall
-        assert o.nonfinite_logits == 0 and o.positions == report.texts[0]["tokens"] + report.texts[1]["tokens"]
-        assert 0 <= o.kl_mean < 1e-4 and o.top1 > 0.9 and abs(math.log(o.perplexity / ref.perplexity)) < 0.05
         assert r.variant.custom_runtime == (r.name in (CLAMP, FP32_RESIDUAL, HALFSAFE_FP32_RESIDUAL))
     assert report.result(FP16).parameter_bytes * 2 == report.result(REFERENCE).parameter_bytes
-    assert report.result(BF16).overall.kl_mean > report.result(HALFSAFE).overall.kl_mean  # fp16 has 3 more bits
     _check_json(report.to_dict(), list(ALL_VARIANTS))
     _check_pngs(write_plots(report, tmp_path / "v.png"))
     table = markdown_table(report)
     assert all(f"| {v} |" in table for v in ALL_VARIANTS)
+
+
+def _independent_metrics(model, variant, samples, prompts, n_greedy) -> dict:
+    """The numbers verify reports, computed here with torch's own functions from the two models' outputs."""
+    kl = top1 = nll = positions = nll_tokens = nonfinite = 0
+    max_err = 0.0
+    for ids in samples:
+        ref = model(input_ids=ids).logits.double()[0]
+        out = variant(input_ids=ids).logits.double()[0]
+        nonfinite += int((~torch.isfinite(out)).sum())
+        kl += float(F.kl_div(F.log_softmax(out, -1), F.log_softmax(ref, -1), log_target=True, reduction="sum"))
+        top1 += int((ref.argmax(-1) == out.argmax(-1)).sum())
+        nll += float(F.cross_entropy(out[:-1], ids[0, 1:], reduction="sum"))
+        nll_tokens += ids.shape[1] - 1
+        positions += ids.shape[1]
+        max_err = max(max_err, float((out - ref).abs().max()))
+    matched = total = 0
+    for prompt in prompts:
+        gen = dict(max_new_tokens=n_greedy, min_new_tokens=n_greedy, do_sample=False, attention_mask=torch.ones_like(prompt))
+        a = model.generate(prompt, **gen)[0, prompt.shape[1]:].tolist()
+        b = variant.generate(prompt, **gen)[0, prompt.shape[1]:].tolist()
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        matched, total = matched + same, total + len(a)
+    return {"kl_mean": kl / positions, "top1": top1 / positions, "perplexity": math.exp(nll / nll_tokens),
+            "max_abs_logit_error": max_err, "nonfinite_logits": nonfinite, "greedy_matched": matched, "greedy_total": total}
+
+
+@torch.no_grad()
+def test_verify_metrics_match_an_independent_computation(tiny_pair):
+    model, half = tiny_pair
+    text = heldout_text()[:500]
+    report = verify(model, half, texts=[text], seq_len=40, max_samples=2, greedy_tokens=6, prompt_tokens=5,
+                    variants=[BF16, FP16, HALFSAFE])
+    samples = make_samples([text], None, model.config.vocab_size, 40, 2)
+    prompts = [samples[0][:, :5]]
+    for name, variant in ((BF16, cast_copy(model, torch.bfloat16)), (FP16, cast_copy(model, torch.float16)), (HALFSAFE, half)):
+        got, want = report.result(name).overall, _independent_metrics(model, variant, samples, prompts, 6)
+        assert got.nonfinite_logits == want["nonfinite_logits"], name
+        assert (got.greedy_matched, got.greedy_total) == (want["greedy_matched"], want["greedy_total"]), name
+        assert got.top1 == pytest.approx(want["top1"]), name
+        if name == FP16:  # NaN logits: the metrics say so rather than inventing numbers
+            assert want["nonfinite_logits"] > 0 and math.isnan(got.kl_mean) and want["greedy_matched"] < 6
+            assert got.top1 < 1
+            continue
+        assert got.kl_mean == pytest.approx(want["kl_mean"], rel=1e-4, abs=1e-12), name
+        assert got.perplexity == pytest.approx(want["perplexity"], rel=1e-6), name
+        assert got.max_abs_logit_error == pytest.approx(want["max_abs_logit_error"], rel=1e-4), name
+    assert report.result(BF16).overall.kl_mean > report.result(HALFSAFE).overall.kl_mean > 0
 
 
 def test_verify_without_a_converted_model_runs_the_baselines_only(tiny_pair):

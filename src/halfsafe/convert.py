@@ -172,6 +172,13 @@ def plan_fp16_safe(
     valid = [c for c in tried if c.finite] or tried
     chosen = min(valid, key=lambda c: (c.kl, -c.residual_exponent))
     unfixable, tight = _problems(constraints, chosen.exponents, headroom_bits)
+    if not chosen.finite and not unfixable and not allow_unfixable:
+        # every measured tensor fits, yet fp16 overflows: inside a computation no module hook sees
+        raise UnfixableOverflowError(
+            f"every candidate plan still gives inf/NaN in float16 although each measured activation of {family.name} "
+            f"fits; the overflow is inside an op no hook sees ({family.unfixable or 'see the family notes'}). "
+            "Pass --allow-unfixable to convert anyway"
+        )
     if unfixable and not allow_unfixable:
         worst = ", ".join(f"{s} ({v:.3g})" for s, v in unfixable[:3])
         raise UnfixableOverflowError(

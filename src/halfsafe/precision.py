@@ -8,8 +8,14 @@ import torch
 from torch import nn
 
 
+# Buffers transformers computes in float32 whatever dtype a model is loaded in (rotary frequencies): an fp16 trial
+# must keep them so, or it measures a model no user runs (tests/test_precision.py checks every tiny family).
+KEEP_FP32_BUFFERS = ("inv_freq",)
+
+
 def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of `model` whose floating parameters and buffers are in `dtype` (tied weights stay tied).
+    """A copy of `model` whose floating parameters and buffers are in `dtype` (tied weights stay tied), as
+    `from_pretrained(..., dtype=dtype)` would load it: rotary frequency buffers stay float32.
 
     `deepcopy` is handed each tensor's cast copy up front, so only the cast tensors are allocated
     (`copy.deepcopy(model).half()` would first duplicate the whole float32 model).
@@ -18,9 +24,10 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     for p in model.parameters():
         if id(p) not in memo:
             memo[id(p)] = nn.Parameter(_cast(p, dtype), requires_grad=p.requires_grad)
-    for b in model.buffers():
+    for name, b in model.named_buffers():
         if id(b) not in memo:
-            memo[id(b)] = _cast(b, dtype)
+            keep = name.endswith(KEEP_FP32_BUFFERS) and b.dtype == torch.float32
+            memo[id(b)] = b.detach().clone() if keep else _cast(b, dtype)
     clone = copy.deepcopy(model, memo)
     if hasattr(clone, "config"):
         clone.config.dtype = dtype
