@@ -60,6 +60,7 @@ def run_info() -> dict:
         "command": " ".join(["python", "bench/run_benchmarks.py", *map(shlex.quote, sys.argv[1:])]),
         "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "halfsafe_source_hash": source_hash(),
+        "git_commit": git_commit(),
         **environment(torch.device("cuda") if torch.cuda.is_available() else None),
     }
     try:
@@ -69,6 +70,17 @@ def run_info() -> dict:
     except (OSError, IndexError, ValueError):
         pass
     return info
+
+
+def git_commit() -> str:
+    """The commit the numbers come from, marked "+dirty" when the work tree differs from it."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 # Modules that do not take part in a conversion: editing them keeps a cached conversion valid.
@@ -127,11 +139,11 @@ def converted_gemma3(reconvert: bool) -> tuple[Path, dict]:
 def gemma3_markdown(report: VerifyReport, run: dict, conversion: dict) -> str:
     t = report.texts[0]
     head = [
-        f"Gemma 3 270M (bf16-pretrained), embedded held-out text: {t['samples']} samples of up to {report.seq_len} tokens "
+        f"Gemma 3 270M (the fixture: the public Q4_K_M GGUF of the bf16-pretrained model, dequantised to bf16), embedded held-out text: {t['samples']} samples of up to {report.seq_len} tokens "
         f"({t['tokens']} tokens), every variant compared with the float32 run at every position; greedy: "
         f"{report.greedy_tokens} tokens from the text's first {report.prompt_tokens}. Residual scale 2^{conversion['residual_exponent']}.",
         f"Machine: {run['cpu']} ({run['cpu_cores']} cores, {run['device']}), torch {run['torch']}, transformers "
-        f"{run['transformers']}, halfsafe {run['halfsafe']}. Command: `{run['command']}`.",
+        f"{run['transformers']}, halfsafe {run['halfsafe']}. Command: `{run['command']}` at commit {run['git_commit']}.",
         "",
         "",
     ]
@@ -256,31 +268,16 @@ def cuda_markdown(cuda: dict, run: dict) -> str:
 
 @torch.no_grad()
 def stress_model(key: str):
-    """A tiny random model whose residual stream is blown past fp16's range by an exact 2^k rescale of every group
-    that scales some norm's input (the whole-model residual group; per-norm groups of post-norm families). The
-    head is untied: a tied (1+w) head gain pushed to (1+w)/2^k - 1 has no bits left in any format."""
-    from halfsafe.families import family_for
-    from halfsafe.groups import expand
-    from halfsafe.probe import probe
-    from halfsafe.rewrite import apply_exponents_
-    from halfsafe.scan import scan
-    from tiny import make_tiny, tiny_ids
+    """A tiny random model made to overflow fp16 in its activations only (tests/stress.py: a few massive residual
+    channels growing with depth, every weight under 65504), built without halfsafe's rescaling code."""
+    from halfsafe.forward import logits
+    from stress import make_stress
+    from tiny import make_tiny
 
-    model = make_tiny(key, untie=True)
-    ids = tiny_ids(model, length=16)
-    family = family_for(model.config.model_type)
-    groups = expand(family, model)
-    modules = dict(model.named_modules())
-
-    def norm_input(site: str) -> bool:
-        name, kind = site.rsplit(":", 1)
-        return kind == "in" and "norm" in type(modules[name]).__name__.lower()
-
-    moved = probe(model, family, groups, ids)
-    blow = {g.name for g in groups if g.block is None or any(norm_input(s) for s in moved[g.name])}
-    peak = max(layer.residual_peak for layer in scan(model, [ids], progress=False).layers)
-    k = math.ceil(math.log2(4 * 65504 / peak))
-    apply_exponents_(model, family, groups, {g: k for g in blow})
+    model = make_tiny(key)
+    vocab = model.config.get_text_config().vocab_size
+    samples = make_samples([default_text()], None, vocab, 128, 4) + make_samples([heldout_text()], None, vocab, 128, 2)
+    k = make_stress(model, lambda: [logits(model, ids) for ids in samples])
     return model, k
 
 
@@ -303,7 +300,7 @@ def bench_tiny(args, run: dict) -> None:
             report = verify(model, half, texts=[heldout_text()], text_names=["held-out text (byte ids)"], seq_len=128,
                             max_samples=2, greedy_tokens=16, prompt_tokens=16)
             overflow = sum(int((p.detach().abs() > 65504).sum()) for p in model.parameters())
-            per_key[key] = {"blow_up_exponent": k, "residual_exponent": conversion.plan.exponents.get("residual"),
+            per_key[key] = {"stress_log2_factor": k, "residual_exponent": conversion.plan.exponents.get("residual"),
                             "weights_above_fp16_max": overflow,
                             "unfixable": [s for s, _ in conversion.unfixable], "verify": report.to_dict()}
             rows.append((key, report))
@@ -311,11 +308,11 @@ def bench_tiny(args, run: dict) -> None:
             per_key[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             log(f"  {key} failed: {type(e).__name__}: {e}")
     variants = [v for v in ALL_VARIANTS if v != REFERENCE]
-    md = [f"Tiny random models (tests/tiny) blown up to 4x float16's range, converted on the embedded calibration text "
-          f"(bytes), verified on the held-out text (2 x 128 byte tokens). Cells: mean KL(fp32 ‖ variant) per token, "
-          f"top-1 agreement; NaN: non-finite logits. The blow-up scales the embedding and every residual write, so "
-          f"some stress weights and writes exceed 65504 themselves: there an fp32 residual or a clamp cannot help. "
-          f"Command: `{run['command']}`.", "",
+    md = [f"Tiny random models (tests/tiny) made to overflow float16 in their activations only (tests/stress.py: a few "
+          f"massive residual channels growing with depth, every weight under 65504, at least 4x past 65504 in fp32), "
+          f"converted on the embedded calibration text (bytes), verified on the held-out text (2 x 128 byte tokens). "
+          f"Cells: mean KL(fp32 ‖ variant) per token, top-1 agreement; NaN: non-finite logits. "
+          f"Command: `{run['command']}` at commit {run['git_commit']}.", "",
           "| model | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
     for key, report in rows:
         cells = []

@@ -208,13 +208,14 @@ def test_cli_verify_on_tiny_checkpoints(tmp_path):
 
 # --- the real Gemma 3 270M: slow ---------------------------------------------------------------------------------
 
-GEMMA_VARIANTS = [BF16, FP16, CLAMP, HALFSAFE, HALFSAFE_FP32_RESIDUAL]
+GEMMA_VARIANTS = [BF16, FP16, CLAMP, FP32_RESIDUAL, HALFSAFE]
+GREEDY = 16
 
 
 @pytest.fixture(scope="module")
 def gemma3_report(gemma3_folder, gemma3_converted):
-    # fp16 matmuls are slow on CPUs: one short sample, a few greedy tokens
-    return verify(str(gemma3_folder), gemma3_converted, seq_len=64, max_samples=1, greedy_tokens=4, prompt_tokens=8,
+    # fp16 matmuls are slow on CPUs: one short sample, 16 greedy tokens
+    return verify(str(gemma3_folder), gemma3_converted, seq_len=96, max_samples=1, greedy_tokens=GREEDY, prompt_tokens=8,
                   variants=GEMMA_VARIANTS)
 
 
@@ -224,25 +225,28 @@ def test_gemma3_plain_fp16_is_non_finite_and_converted_fp16_beats_bf16(gemma3_re
     fp16, bf16, conv = r.result(FP16).overall, r.result(BF16).overall, r.result(HALFSAFE).overall
     assert fp16.nonfinite_logits > 0 and math.isnan(fp16.kl_mean)
     assert conv.nonfinite_logits == 0 and bf16.nonfinite_logits == 0
-    assert conv.kl_mean < bf16.kl_mean / 4, (conv.kl_mean, bf16.kl_mean)
-    assert conv.top1 >= bf16.top1 and conv.greedy_matched == conv.greedy_total
+    # measured on this 96-token sample: 45x (and 62x on the benchmark's 2689 held-out tokens)
+    assert conv.kl_mean < bf16.kl_mean / 20, (conv.kl_mean, bf16.kl_mean)
+    assert conv.top1 >= bf16.top1 and conv.greedy_matched == conv.greedy_total == GREEDY
     assert not r.result(HALFSAFE).variant.custom_runtime
     peak_before, peak_after = max(r.result(REFERENCE).layer_peaks), max(r.result(HALFSAFE).layer_peaks)
-    assert peak_before > 65504 > peak_after
+    assert peak_before > 65504 > 4 * peak_after  # the 2 bits of headroom hold on held-out text
 
 
 @pytest.mark.slow
-def test_gemma3_clamp_baseline_is_finite_but_worse_than_converted(gemma3_report):
-    clamp, conv = gemma3_report.result(CLAMP), gemma3_report.result(HALFSAFE)
+def test_gemma3_clamp_baseline_is_finite_but_worse_than_bf16_and_converted(gemma3_report):
+    clamp, conv, bf16 = gemma3_report.result(CLAMP), gemma3_report.result(HALFSAFE), gemma3_report.result(BF16)
     assert clamp.overall.nonfinite_logits == 0 and clamp.variant.custom_runtime
-    assert clamp.overall.kl_mean > 10 * conv.overall.kl_mean
-    assert max(clamp.layer_peaks) <= ONNX_CLAMP
+    # measured: clamp KL ~0.2 against bf16's ~1e-3 (180x worse) and halfsafe's ~2e-5
+    assert clamp.overall.kl_mean > 10 * bf16.overall.kl_mean > 100 * conv.overall.kl_mean
+    assert clamp.overall.greedy_matched < conv.overall.greedy_matched
 
 
 @pytest.mark.slow
-def test_gemma3_converted_with_fp32_residual_is_finite(gemma3_report):
-    r = gemma3_report.result(HALFSAFE_FP32_RESIDUAL)
-    assert r.overall.nonfinite_logits == 0 and r.overall.kl_mean < gemma3_report.result(BF16).overall.kl_mean
+def test_gemma3_fp32_residual_fixes_the_original_at_the_cost_of_runtime_code(gemma3_report):
+    r, fp16 = gemma3_report.result(FP32_RESIDUAL), gemma3_report.result(FP16)
+    assert fp16.overall.nonfinite_logits > 0  # the same weights without it overflow
+    assert r.overall.nonfinite_logits == 0 and r.overall.kl_mean < gemma3_report.result(BF16).overall.kl_mean / 20
     assert r.variant.custom_runtime
 
 
@@ -253,11 +257,12 @@ def test_gemma3_report_json_and_png(gemma3_report, tmp_path):
 
 
 @pytest.mark.slow
-def test_keep_residual_fp32_on_the_converted_gemma3(gemma3_converted):
+def test_keep_residual_fp32_makes_the_original_gemma3_finite(gemma3_folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gemma3_converted, dtype=torch.float16).eval()
-    ids = AutoTokenizer.from_pretrained(gemma3_converted)(heldout_text()[:300], return_tensors="pt").input_ids[:, :48]
+    model = AutoModelForCausalLM.from_pretrained(gemma3_folder, dtype=torch.float16).eval()
+    ids = AutoTokenizer.from_pretrained(gemma3_folder)(heldout_text()[:300], return_tensors="pt").input_ids[:, :48]
+    assert not torch.isfinite(logits(model, ids)).all()  # plain fp16 overflows
     with keep_residual_fp32(model):
         outs = _block_outputs(model, ids)
         out = logits(model, ids)
