@@ -94,6 +94,10 @@ class Family:
     eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
     # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
     eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
+    # Where the moved eps lives, for models whose sub-configs keep eps of their own (a vision or audio tower
+    # beside a language model): fn(model) -> {sub-config attribute of model.config ("" for model.config
+    # itself): module names under which every norm copied that eps}. None: every config and every module.
+    eps_scope: Callable | None = None
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
     notes: str = ""
