@@ -29,8 +29,8 @@ TINY = {
     # per-layer inputs, the last block reusing the K/V of the full-attention block before it, tied head
     "gemma4_text": lambda: _text(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
                                  num_kv_shared_layers=1),
-    "gemma4_text-moe": lambda: _text(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+    # MoE blocks, full-attention keys as values (attention_k_eq_v), untied head
+    "gemma4_text-moe": lambda: _text(enable_moe_block=True, tie_word_embeddings=False, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                                      hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1),
-    "gemma4_text-untied": lambda: _text(tie_word_embeddings=False),
     "gemma4": _multimodal,
 }
