@@ -19,7 +19,7 @@ from halfsafe.groups import expand
 from halfsafe.probe import probe
 from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import collect, layer_peaks
-from tiny import make_tiny, tiny_ids
+from tiny import TINY, make_tiny, tiny_ids
 
 
 def _rel(a, b) -> float:
@@ -61,20 +61,63 @@ def _multimodal_inputs(model, seed=2) -> dict:
     }
 
 
-def test_image_and_audio_forward_is_exact_after_a_random_plan():
+@torch.no_grad()
+def _tiny_gemma4(monkeypatch, tower: str):
+    """The tiny gemma4 model; `clipped`: its vision and audio linears clamp to stored (finite, active) bounds;
+    `standardize`: its vision tower standardises its output with stored buffers."""
+    if tower == "plain":
+        return make_tiny("gemma4")
+    config = TINY["gemma4"]()
+    if tower == "clipped":
+        config.vision_config.use_clipped_linears = config.audio_config.use_clipped_linears = True
+    else:
+        config.vision_config.standardize = True
+    monkeypatch.setitem(TINY, "gemma4", lambda: config)
     model = make_tiny("gemma4")
+    if tower == "clipped":  # bounds at half of what each linear sees on the test input: the clamps bite
+        peaks, hooks = {}, []
+
+        def peak(name):
+            def hook(module, args, out):
+                peaks.setdefault(name, (float(args[0].abs().max()), float(out.abs().max())))
+            return hook
+
+        for name, m in model.named_modules():
+            if type(m).__name__ == "Gemma4ClippableLinear":
+                hooks.append(m.register_forward_hook(peak(name)))
+        logits(model, _multimodal_inputs(model))
+        for h in hooks:
+            h.remove()
+        for name, (x, y) in peaks.items():
+            m = model.get_submodule(name)
+            m.input_min.fill_(-x / 2), m.input_max.fill_(x / 2), m.output_min.fill_(-y / 2), m.output_max.fill_(y / 2)
+    else:
+        g = torch.Generator().manual_seed(5)
+        model.model.vision_tower.std_bias.copy_(torch.randn(32, generator=g) * 0.1)
+        model.model.vision_tower.std_scale.copy_(1 + torch.randn(32, generator=g) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("tower", ["plain", "clipped", "standardize"])
+def test_image_and_audio_forward_is_exact_after_a_random_plan(monkeypatch, tower):
+    model = _tiny_gemma4(monkeypatch, tower)
     _scalars(model)
     inputs = _multimodal_inputs(model)
     ref = logits(model, inputs)
     text_only = logits(model, {"input_ids": torch.where(inputs["input_ids"] >= 249, 7, inputs["input_ids"])})
     assert _rel(ref, text_only) > 1e-2, "the image and audio tokens should change the output"
     exps = _random_plan(model)
-    assert exps["residual"] and any(exps[k] for k in exps if k.startswith("vision_"))
+    assert exps["residual"] and any(exps[k] for k in exps if k.startswith("vision_qk_norm"))
+    assert any(k.startswith("vision_up_down") for k in exps) == (tower != "clipped")
     out = logits(model, inputs)
-    # measured 0.0 (bit for bit); with the vision projector moved by 1/s instead of s: 1.9e-1
+    # measured 0.0 (bit for bit) for all three. Wrong tables: the vision projector moved by 1/s instead of s:
+    # 1.9e-1; a clipped vision tower's stream moved anyway: 8.4e-1, its up/down pair: 6.0e-1; a standardising
+    # one's stream: 2.1e-2
     assert _rel(out, ref) < 1e-6
-    # the towers' own eps: the vision eps moved with the text eps, the audio eps stayed
-    assert model.config.vision_config.rms_norm_eps == model.config.text_config.rms_norm_eps != 1e-6
+    # the towers' own eps: the vision eps moved with the text eps where its stream moves; the audio eps stayed
+    text_eps = model.config.text_config.rms_norm_eps
+    assert text_eps != 1e-6
+    assert model.config.vision_config.rms_norm_eps == (text_eps if tower == "plain" else 1e-6)
     assert model.config.audio_config.rms_norm_eps == 1e-6
     assert model.model.audio_tower.layers[0].norm_out.eps == 1e-6
 

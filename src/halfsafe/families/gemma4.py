@@ -39,7 +39,8 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   (patch embedding, position table, o_proj, down_proj, post-norm gains, input_layernorm for q/k/v norms)
   moves with the same s and `vision_config.rms_norm_eps` with the text eps, unless its linears clamp to
   stored bounds (use_clipped_linears) or it standardises with stored buffers (standardize): then it keeps
-  its scale and eps. Its q_norm/k_norm and up/down pairs move per block (not when clipped).
+  its scale and eps. Its q_norm/k_norm pair moves per block (the gains act after any clamp), its up/down
+  pair only where the linears do not clamp.
 """
 
 from .spec import Family, GroupSpec, Move, tied_head
@@ -54,9 +55,12 @@ def _vision_movable(model) -> bool:
     return v is not None and not v.use_clipped_linears and not v.standardize
 
 
-def _vision_pairs(model) -> bool:
-    v = getattr(model.config, "vision_config", None)
-    return v is not None and not v.use_clipped_linears
+def _vision(model) -> bool:
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def _vision_unclipped(model) -> bool:
+    return _vision(model) and not model.config.vision_config.use_clipped_linears
 
 
 def _no_kv_sharing(model) -> bool:
@@ -149,9 +153,11 @@ GEMMA4 = Family(
                                    "and the vision tower's stream"),
         *_MM_PAIRS,
         GroupSpec("vision_up_down", (Move(f"{VL}.mlp.up_proj.linear.weight"), Move(f"{VL}.mlp.down_proj.linear.weight", -1)),
-                  per_block=True, when=_vision_pairs, why="vision MLP: gelu(gate) * up is linear in up"),
+                  per_block=True, when=_vision_unclipped,
+                  why="vision MLP: gelu(gate) * up is linear in up (not where up_proj clamps its output to stored bounds)"),
         GroupSpec("vision_qk_norm", (Move(f"{VL}.self_attn.q_norm.weight"), Move(f"{VL}.self_attn.k_norm.weight", -1)),
-                  per_block=True, when=_vision_pairs, why="vision attention (scaling 1): q_norm gain x c, k_norm gain / c"),
+                  per_block=True, when=_vision,
+                  why="vision attention (scaling 1): q_norm gain x c, k_norm gain / c (after any clamp of q/k_proj)"),
     ),
     eps_attrs=("rms_norm_eps",),
     eps_scope=_eps_scope,
