@@ -41,6 +41,10 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   stored bounds (use_clipped_linears) or it standardises with stored buffers (standardize): then it keeps
   its scale and eps. Its q_norm/k_norm pair moves per block (the gains act after any clamp), its up/down
   pair only where the linears do not clamp.
+- The audio tower (a conformer) keeps its scale: its linears clamp to stored bounds by default
+  (use_clipped_linears), 7 of each layer's 9 norms are built with the default eps=1e-6 rather than the
+  config's (so a saved checkpoint cannot move it), and it clamps its stream to +-min(1e10, dtype max), i.e.
+  to +-65504 in fp16. Its projector (embed_audio) writes into the language model and moves with s.
 """
 
 from .spec import Family, GroupSpec, Move, tied_head
@@ -114,7 +118,8 @@ def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...
 
 
 _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-activations (GELU is not homogeneous); "
-              "raw QK^T logits (scaling 1) where KV is shared across blocks")
+              "QK^T logits under eager attention (no exact rescale changes them; where KV is shared across blocks "
+              "the Q/K pair that balances q against k is not offered either)")
 
 _TEXT_RESIDUAL, _TEXT_PAIRS = _language_model("model")
 GEMMA4_TEXT = Family(
@@ -161,8 +166,9 @@ GEMMA4 = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     eps_scope=_eps_scope,
-    unfixable=_UNFIXABLE + "; the audio tower (its linears clamp to stored bounds and five of its norms hard-code "
-                           "eps 1e-6, so its stream has no exact rescale: only its projector moves); the vision tower's "
-                           "stream when it clamps or standardises with stored bounds",
+    unfixable=_UNFIXABLE + "; the audio tower's stream (its linears clamp to stored bounds and 7 of each layer's 9 "
+                           "norms hard-code eps 1e-6 instead of reading the config, so no checkpoint can move their eps: "
+                           "only its projector moves); the vision tower's stream where it clamps (use_clipped_linears) "
+                           "or standardises (standardize) with stored bounds",
 )
 FAMILIES = (GEMMA4_TEXT, GEMMA4)
