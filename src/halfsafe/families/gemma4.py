@@ -76,8 +76,8 @@ def _expert_up_rows(config):
     return slice(size, 2 * size)
 
 
-def _linear(param: str, power: int = 1, **kw) -> tuple[Move, ...]:
-    return (Move(f"{param}.weight", power, **kw), Move(f"{param}.bias", power, optional=True))
+def _linear(param: str) -> tuple[Move, ...]:
+    return (Move(f"{param}.weight"), Move(f"{param}.bias", optional=True))
 
 
 def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...]]:
