@@ -173,13 +173,13 @@ def test_moe_routing_is_unchanged_by_a_plan():
     exps = _random_plan(model, seed=4)
     assert exps["residual"] and any(exps[k] for k in exps if k.startswith("experts_up_down"))
     after = _chosen_experts(model, ids)
-    assert len(before) == 2 and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert len(before) == 3 and all(torch.equal(a, b) for a, b in zip(before, after))
     assert _rel(logits(model, ids), ref) < 1e-6  # measured 0.0 (bit for bit)
 
 
 @pytest.mark.parametrize("eps_zero", [True, False])
 def test_a_per_block_residual_scale_through_layer_scalar_is_exact_only_without_eps(eps_zero):
-    """Block 1 (of 2) runs its residual at 1/8 of block 0's: block 0's layer_scalar / 8 and block 1's residual
+    """Blocks 1 and 2 run their residual at 1/8 of block 0's: block 0's layer_scalar / 8 and their residual
     moves (the family's own) / 8, the eps unmoved. With eps 0 the output is the same; with the shipped eps the
     norms reading block 1's residual see eps x 64 relative to their input: not exact, so not offered."""
     model = make_tiny("gemma4_text-moe")
@@ -198,10 +198,10 @@ def test_a_per_block_residual_scale_through_layer_scalar_is_exact_only_without_e
     with torch.no_grad():
         model.model.layers[0].layer_scalar.mul_(2.0**-3)
         for m in residual.moves:
-            if m.param.startswith("model.layers.1."):
+            if m.param.startswith(("model.layers.1.", "model.layers.2.")):
                 params[m.param].mul_(2.0 ** (-3 * m.power))
     change = _rel(logits(model, ids), ref)
-    # measured: 0.0 with eps 0; 0.23 with eps 1e-6 on this tiny model (whose activations are small next to eps x 64)
+    # measured: 0.0 with eps 0; 0.63 with eps 1e-6 on this tiny model (whose activations are small next to eps x 64)
     assert change < 1e-6 if eps_zero else change > 1e-6
 
 
@@ -233,3 +233,17 @@ def test_convert_a_blown_up_gemma4_folder_then_plain_transformers_runs_images_an
         out = logits(half, half_inputs).float()
         assert bool(torch.isfinite(out).all()) == finite, folder
     assert _rel(out, ref) < 3e-2  # measured 6.5e-3 (fp16 rounding of weights and activations)
+
+
+def test_the_q_k_pair_is_not_offered_where_other_blocks_read_the_keys():
+    """Block 1 stores its keys for block 2 (KV sharing): q_norm x 2, k_norm / 2 there would change block 2's
+    logits, so the family makes no Q/K group for it (nor for block 0, which stores keys for assistant models)."""
+    model = make_tiny("gemma4_text")
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse"]
+    assert not [g for g in expand(family_for("gemma4_text"), model) if g.spec == "qk_norm"]
+    ids = tiny_ids(model)
+    ref = logits(model, ids)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attn.q_norm.weight.mul_(2.0), attn.k_norm.weight.mul_(0.5)
+    assert _rel(logits(model, ids), ref) > 1e-3  # measured 1.4e-1: block 2 reads the moved keys

@@ -29,8 +29,10 @@ TINY = {
     # per-layer inputs, the last block reusing the K/V of the full-attention block before it, tied head
     "gemma4_text": lambda: _text(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "full_attention"],
                                  num_kv_shared_layers=1),
-    # MoE blocks, full-attention keys as values (attention_k_eq_v), untied head
-    "gemma4_text-moe": lambda: _text(enable_moe_block=True, tie_word_embeddings=False, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+    # MoE blocks, full-attention keys as values (attention_k_eq_v), untied head; block 0 keeps its keys to
+    # itself (the last block of each attention type stores them for assistant models): its Q/K pair moves
+    "gemma4_text-moe": lambda: _text(num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                     enable_moe_block=True, tie_word_embeddings=False, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
                                      hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1),
     "gemma4": _multimodal,
 }

@@ -29,8 +29,9 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   scale is exact only up to eps (1/t_i^2 - 1/s^2) / (2 mean(h^2)) and is therefore not offered; layer_scalar
   itself never moves (tests/test_family_gemma4.py measures both).
 - KV sharing: the last `num_kv_shared_layers` blocks have q_proj/q_norm only and reuse the K/V of an earlier
-  block; the residual moves keep every K and V unchanged. The Q/K pair is offered only without sharing
-  (a shared K would need the consumer blocks' q_norm to move too).
+  block; the residual moves keep every K and V unchanged. The Q/K pair is offered only in blocks whose keys
+  nobody else reads (kv_sharing_modes None): not in consumers (no k_norm) nor in the last block of each
+  attention type, which stores its keys for the consumers and for assistant models (shared_kv_states).
 - Final logit soft-capping acts on unchanged logits; the tied head reads the final norm, whose gain moves
   by 1/s. The embedding scale sqrt(hidden) is a buffer recomputed from the config.
 - gemma4: the projectors (embed_vision, embed_audio) normalise their tower's output (no gain, the tower's
@@ -67,8 +68,9 @@ def _vision_unclipped(model) -> bool:
     return _vision(model) and not model.config.vision_config.use_clipped_linears
 
 
-def _no_kv_sharing(model) -> bool:
-    return not _text(model).num_kv_shared_layers
+def _own_kv_blocks(model) -> list[int]:
+    """Blocks whose keys no other block (nor an assistant model, through `shared_kv_states`) reads."""
+    return [i for i, mode in enumerate(_text(model).kv_sharing_modes) if mode is None]
 
 
 def _expert_up_rows(config):
@@ -106,8 +108,9 @@ def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...
                   when=lambda m: bool(_text(m).enable_moe_block),
                   why="each expert's gelu(gate) * up is linear in up: the up rows of gate_up_proj x c, down_proj / c"),
         GroupSpec("qk_norm", (Move(f"{L}.self_attn.q_norm.weight"), Move(f"{L}.self_attn.k_norm.weight", -1)),
-                  per_block=True, when=_no_kv_sharing,
-                  why="QK^T (scaling 1) is unchanged by q_norm gain x c, k_norm gain / c (RoPE is linear)"),
+                  per_block=True, blocks=_own_kv_blocks,
+                  why="QK^T (scaling 1) is unchanged by q_norm gain x c, k_norm gain / c (RoPE is linear); not in "
+                      "blocks whose keys are stored for other blocks (KV sharing) or an assistant model"),
         GroupSpec("ple", (Move(f"{prefix}.embed_tokens_per_layer.weight"), Move(f"{prefix}.per_layer_projection_norm.weight"),
                           Move(f"{L}.per_layer_projection.weight", -1)),
                   when=lambda m: bool(_text(m).hidden_size_per_layer_input),
@@ -118,8 +121,8 @@ def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...
 
 
 _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-activations (GELU is not homogeneous); "
-              "QK^T logits under eager attention (no exact rescale changes them; where KV is shared across blocks "
-              "the Q/K pair that balances q against k is not offered either)")
+              "QK^T logits under eager attention (no exact rescale changes them; in blocks whose keys are stored "
+              "for other blocks the Q/K pair that balances q against k is not offered either)")
 
 _TEXT_RESIDUAL, _TEXT_PAIRS = _language_model("model")
 GEMMA4_TEXT = Family(
