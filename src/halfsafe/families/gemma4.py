@@ -25,9 +25,11 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   by chunk(2) on its output rows: rows [I, 2I) are `up` (x c, every expert of a block), down_proj / c.
 - layer_scalar: a block's output is (h + writes) * layer_scalar. It would let the residual scale change from
   block to block (block i's writes at t_i, layer_scalar x t_{i+1}/t_i), but the norms reading the residual in
-  every block share the one eps of the config, which must move by exactly s^2 with their input: a per-block
-  scale is exact only up to eps (1/t_i^2 - 1/s^2) / (2 mean(h^2)) and is therefore not offered; layer_scalar
-  itself never moves (tests/test_family_gemma4.py measures both).
+  every block share the one eps of the config, which must move by exactly s^2 with their input: with the eps
+  at s^2 eps, a norm reading a residual at scale t_i computes x / sqrt(mean(x^2) + (s/t_i)^2 eps), off by
+  about ((s/t_i)^2 - 1) eps / (2 mean(x^2)): not exact, so not offered, and layer_scalar never moves
+  (tests/test_family_gemma4.py measures both). (A power-of-two scale does not change fp16's relative
+  precision anyway, except near its subnormal range.)
 - KV sharing: the last `num_kv_shared_layers` blocks have q_proj/q_norm only and reuse the K/V of an earlier
   block; the residual moves keep every K and V unchanged. The Q/K pair is offered only in blocks whose keys
   nobody else reads (kv_sharing_modes None): not in consumers (no k_norm) nor in the last block of each
