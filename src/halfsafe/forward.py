@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 from transformers import PreTrainedModel
@@ -14,8 +15,11 @@ def is_encoder_decoder(model: PreTrainedModel) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
 
 
-def model_inputs(model: PreTrainedModel, ids: torch.Tensor) -> dict:
-    """Encoder-decoder models are teacher-forced: the decoder reads the same text shifted right."""
+def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
+    """Encoder-decoder models are teacher-forced: the decoder reads the same text shifted right. A sample
+    may also be a dict of model inputs (token ids with pixel values or audio features), passed as it is."""
+    if isinstance(ids, Mapping):
+        return {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
     ids = ids.to(model.device)
     if not is_encoder_decoder(model):
         return {"input_ids": ids}

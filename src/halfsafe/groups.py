@@ -119,6 +119,11 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
             continue
         moves = [m for m in spec.moves if m.when is None or m.when(model)]
         matched = {m: _matches(m, model, names) for m in moves}
+        if spec.blocks is not None:  # the family data allows this per-block group in these blocks only
+            allowed = {str(i) for i in spec.blocks(model)}
+            if not allowed:
+                continue
+            matched = {m: {i: n for i, n in found.items() if i in allowed} for m, found in matched.items()}
         for m in moves:
             # {i+1} templates legitimately match nothing in a one-block model; _successor_blocks checks them.
             if not matched[m] and not m.optional and placeholder(m.param) != NEXT_BLOCK:

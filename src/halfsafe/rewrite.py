@@ -76,6 +76,9 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int) -> None:
     if not exponent:
         return
     factor = 2.0 ** exponent
+    if family.eps_scope is not None:
+        _scale_scoped_eps(model, family, factor)
+        return
     # The top config, its text config, and the copies some submodules keep (T5's encoder/decoder stacks).
     configs = [model.config, model.config.get_text_config()] + [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
     for config in {id(c): c for c in configs}.values():
@@ -88,3 +91,25 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int) -> None:
                 for mattr in family.eps_module_attrs:
                     if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
                         setattr(module, mattr, old * factor)
+
+
+def _scale_scoped_eps(model: PreTrainedModel, family: Family, factor: float) -> None:
+    """Only the sub-configs `family.eps_scope` names, and only the norms under the modules it names for
+    each (a tower's own eps, which may hold the same value, stays)."""
+    from .groups import _strip_base_prefix
+
+    modules = dict(model.named_modules())
+    for sub, prefixes in family.eps_scope(model).items():
+        config = getattr(model.config, sub) if sub else model.config
+        for attr in family.eps_attrs:
+            old = getattr(config, attr, None)
+            if old is None:
+                continue
+            setattr(config, attr, old * factor)
+            for prefix in (_strip_base_prefix(model, p + ".")[:-1] for p in prefixes):
+                for name, module in modules.items():
+                    if name != prefix and not name.startswith(prefix + "."):
+                        continue
+                    for mattr in family.eps_module_attrs:
+                        if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
+                            setattr(module, mattr, old * factor)

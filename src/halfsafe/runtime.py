@@ -76,7 +76,9 @@ from .layers import find_blocks  # noqa: E402
 # modules all exist wins; longer sets first). A block's residual add is `residual + <writer output>` (possibly
 # through dropout); in Gemma 2/3 and OLMo2 the writers are the post-branch norms, not the projections before them.
 RESIDUAL_WRITERS = (
-    ("post_attention_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3, OLMo2: post-branch (sandwich) norms
+    ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"),  # Gemma 4 (per-layer inputs)
+    ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end", "feed_forward2.post_layer_norm"),  # Gemma 4 audio
+    ("post_attention_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3/4 (and Gemma 4 vision), OLMo2: post-branch norms
     ("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),  # T5 decoder block
     ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),  # T5 encoder block
     ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"),  # BART/Pegasus decoder layer

@@ -64,6 +64,9 @@ class GroupSpec:
     per_block: bool = False  # one group per value of {i} (a pair inside one block) or one for all
     eps_power: int = 0  # the family's norm eps moves by s**eps_power (every norm input scales by s)
     when: Callable | None = None  # fn(model) -> bool: the group exists for this model
+    # Per-block groups only: fn(model) -> block indices the group may be made for (others keep their scale),
+    # for pairs that are exact in some blocks of a model only (e.g. not where another block reads the result).
+    blocks: Callable | None = None
     why: str = ""
 
     def __post_init__(self):
@@ -78,6 +81,8 @@ class GroupSpec:
             raise ValueError(f"group {self.name}: a per-block group needs a non-optional {{i}} template (its own block)")
         if not self.per_block and NEXT_BLOCK in kinds:
             raise ValueError(f"group {self.name}: {{i+1}} only makes sense in a per-block group")
+        if self.blocks is not None and not self.per_block:
+            raise ValueError(f"group {self.name}: only a per-block group can be limited to some blocks")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
         # Parts of one fused tensor (distinct selects) may move by different powers (Q rows x c, K rows / c);
@@ -94,6 +99,10 @@ class Family:
     eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
     # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
     eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
+    # Where the moved eps lives, for models whose sub-configs keep eps of their own (a vision or audio tower
+    # beside a language model): fn(model) -> {sub-config attribute of model.config ("" for model.config
+    # itself): module names under which every norm copied that eps}. None: every config and every module.
+    eps_scope: Callable | None = None
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
     notes: str = ""
