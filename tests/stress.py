@@ -39,6 +39,10 @@ _DECODER_LM = [(r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.down_proj\.weigh
 _SANDWICH = [(r"\.post_attention_layernorm\.weight", GAIN1P),
              (r"\.post_feedforward_layernorm\.weight", GAIN1P), (r"\.self_attn\.o_proj\.weight", ROW),
              (r"\.mlp\.down_proj\.weight", ROW)]
+# Gemma 4: x*w sandwich norms; the towers (vision, audio) are left as they are
+_LM = r"^(?!.*(vision|audio)).*"
+_GEMMA4 = [(_LM + r"\.post_attention_layernorm\.weight$", GAIN), (_LM + r"\.post_feedforward_layernorm\.weight$", GAIN),
+           (_LM + r"\.self_attn\.o_proj\.weight$", ROW), (_LM + r"\.mlp\.down_proj\.weight$", ROW)]
 _T5 = [(r"\.SelfAttention\.o\.weight", ROW), (r"\.EncDecAttention\.o\.weight", ROW),
        (r"\.DenseReluDense\.wo\.weight", ROW), (r"\.DenseReluDense\.wi(_1)?\.weight", FEED),
        (r"\.SelfAttention\.v\.weight", FEED), (r"\.EncDecAttention\.v\.weight", FEED)]
@@ -50,7 +54,7 @@ WRITERS: dict[str, list[tuple[str, str]]] = {
     "phi3": [(r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.down_proj\.weight", ROW),
              (r"\.mlp\.gate_up_proj\.weight", FEED_LAST)],
     "gemma": _DECODER_LM,
-    "gemma2": _SANDWICH, "gemma3_text": _SANDWICH,
+    "gemma2": _SANDWICH, "gemma3_text": _SANDWICH, "gemma4_text": _GEMMA4, "gemma4": _GEMMA4,
     "gpt2": [(r"\.attn\.c_proj\.weight", COL), (r"\.mlp\.c_proj\.weight", COL),
              (r"\.mlp\.c_fc\.weight", FEED)],
     "gpt_neo": [(r"\.attn\.attention\.out_proj\.weight", ROW),
