@@ -14,8 +14,12 @@ def is_encoder_decoder(model: PreTrainedModel) -> bool:
     return bool(getattr(model.config, "is_encoder_decoder", False))
 
 
-def model_inputs(model: PreTrainedModel, ids: torch.Tensor) -> dict:
-    """Encoder-decoder models are teacher-forced: the decoder reads the same text shifted right."""
+def model_inputs(model: PreTrainedModel, ids: torch.Tensor | dict) -> dict:
+    """Encoder-decoder models are teacher-forced: the decoder reads the same text shifted right. A sample may
+    also be a dict of model inputs (input_ids with pixel_values and the like, for a vision-language model),
+    passed as it is."""
+    if isinstance(ids, dict):
+        return {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
     ids = ids.to(model.device)
     if not is_encoder_decoder(model):
         return {"input_ids": ids}

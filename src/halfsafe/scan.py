@@ -123,7 +123,7 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
         model=name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         model_type=model.config.model_type,
         n_samples=len(samples),
-        n_tokens=sum(s.numel() for s in samples),
+        n_tokens=sum((s["input_ids"] if isinstance(s, dict) else s).numel() for s in samples),
         sites=sites,
         layers=layer_peaks(model, sites),
     )

@@ -94,6 +94,9 @@ class Family:
     eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
     # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
     eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
+    # Modules (named as templates name them, e.g. a vision tower "model.visual") whose norms keep their own eps
+    # when eps_power moves the family's: a tower whose eps is not the language model's, though it may equal it.
+    eps_skip_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
     notes: str = ""
