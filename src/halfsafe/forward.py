@@ -30,6 +30,12 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor | dict) -> dict:
     return {"input_ids": ids, "decoder_input_ids": decoder_ids}
 
 
+def prefix(sample: torch.Tensor | dict, n: int) -> torch.Tensor | dict:
+    """The first n tokens of a sample; a dict sample (text with image inputs) whole, since its image tokens
+    must stay with their pixels."""
+    return sample if isinstance(sample, dict) else sample[:, :n]
+
+
 @torch.no_grad()
 def logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
     """Output logits [batch, seq, vocab] (or the last hidden state for headless models)."""

@@ -10,7 +10,7 @@ from rich.progress import Progress
 from transformers import PreTrainedModel
 
 from .formats import FP16_MAX
-from .forward import model_inputs, run_for_stats
+from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
 from .precision import cast_copy
 from .stats import ActivationCollector, SiteStats
@@ -108,7 +108,7 @@ def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor])
     try:
         with ActivationCollector(half, stop_at_nonfinite=True) as collector:
             for ids in samples[:2]:
-                half(**model_inputs(half, ids[:, :FP16_CHECK_TOKENS]), use_cache=False)
+                half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
                 if collector.first_nonfinite:
                     break
         return collector.first_nonfinite

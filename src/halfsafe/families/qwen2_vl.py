@@ -37,8 +37,9 @@ QKV = f"{B}.attn.qkv"
 
 
 def _vision_dim(config) -> int:
+    """The tower's width: Qwen2-VL's `embed_dim` (its `hidden_size` is the language model's); Qwen2.5-VL's `hidden_size`."""
     vision = config.vision_config
-    return vision.embed_dim if vision.model_type == "qwen2_vl" else vision.hidden_size
+    return getattr(vision, "embed_dim", None) or vision.hidden_size
 
 
 def _rows(part: int):
@@ -87,7 +88,6 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
         unfixable=(f"gate_proj pre-activations (SiLU is not homogeneous); the vision tower's {vision_mlp} and its "
                    "merger's mlp.0 pre-activations (GELU); raw QK^T logits under eager attention; the vision "
                    "residual moves only up to its norms' fixed eps (1e-6 / s**2)"),
-        extra={"tower_norm_eps": {VIS: 1e-6}},  # hard-coded in the modeling code: no checkpoint can move it
     )
 
 
