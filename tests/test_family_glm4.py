@@ -1,0 +1,58 @@
+"""GLM-4: the probe rejects the tables one might write from a Llama template (o_proj left out of the residual
+although a post-branch norm reads it; the gate half of gate_up_proj taken for the up half), and the clamp /
+fp32-residual baselines find the post-branch norms as the residual writers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from halfsafe.errors import UnsupportedModelError
+from halfsafe.families import family_for
+from halfsafe.families.spec import Move
+from halfsafe.groups import expand
+from halfsafe.probe import probe
+from halfsafe.runtime import residual_writers
+from tiny import make_tiny, tiny_ids
+
+
+def _with(family, name, moves):
+    spec = next(g for g in family.groups if g.name == name)
+    return dataclasses.replace(family, groups=tuple(dataclasses.replace(spec, moves=moves) if g is spec else g
+                                                    for g in family.groups))
+
+
+def _probe_one(model, family, name, ids):
+    probe(model, family, [g for g in expand(family, model) if g.spec == name], ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny("glm4")
+
+
+def test_probe_rejects_a_residual_without_o_proj(model):
+    family = family_for("glm4")
+    ids = tiny_ids(model)
+    _probe_one(model, family, "residual", ids)
+    residual = next(g for g in family.groups if g.name == "residual")
+    wrong = _with(family, "residual", tuple(m for m in residual.moves if "o_proj" not in m.param))
+    with pytest.raises(UnsupportedModelError, match="group residual"):
+        _probe_one(model, wrong, "residual", ids)
+
+
+def test_probe_rejects_the_gate_half(model):
+    family = family_for("glm4")
+    ids = tiny_ids(model)
+    _probe_one(model, family, "up_down", ids)
+    gate = lambda config: slice(0, config.intermediate_size)  # noqa: E731
+    wrong = _with(family, "up_down", (Move("model.layers.{i}.mlp.gate_up_proj.weight", select=(0, gate)),
+                                      Move("model.layers.{i}.mlp.down_proj.weight", -1)))
+    with pytest.raises(UnsupportedModelError, match="group up_down"):
+        _probe_one(model, wrong, "up_down", ids)
+
+
+def test_residual_writers_are_the_post_branch_norms(model):
+    assert residual_writers(model) == [f"model.layers.{i}.{n}" for i in range(2)
+                                       for n in ("post_self_attn_layernorm", "post_mlp_layernorm")]
