@@ -91,6 +91,7 @@ RESIDUAL_WRITERS = (
     ("attn.c_proj", "mlp.c_proj"),  # GPT-2
     ("attention.dense", "mlp.dense_4h_to_h"),  # GPT-NeoX (parallel or sequential residual)
     ("attention.output.dense", "output.dense"),  # BERT, RoBERTa (post-norm: LayerNorm(write + residual))
+    ("self_attn.out_proj", "mlp.fc2"),  # SigLIP encoder layer (T5Gemma 2's vision tower)
     ("attn.proj", "mlp.fc2"),  # Qwen2-VL vision block
     ("attn.proj", "mlp.down_proj"),  # Qwen2.5-VL vision block
 )
