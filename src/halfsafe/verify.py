@@ -361,7 +361,7 @@ def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int) -> list[int]:
     prompt = prompt.to(model.device)
     gen = GenerationConfig(
         do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=n,
-        eos_token_id=model.generation_config.eos_token_id, pad_token_id=model.config.pad_token_id,
+        eos_token_id=model.generation_config.eos_token_id, pad_token_id=getattr(model.config, "pad_token_id", model.config.get_text_config().pad_token_id),
         bos_token_id=model.generation_config.bos_token_id,
         decoder_start_token_id=getattr(model.generation_config, "decoder_start_token_id", None),
     )
