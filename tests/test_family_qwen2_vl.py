@@ -97,9 +97,9 @@ def test_scan_reports_the_vision_tower():
     assert not any(n.startswith("model.visual") for n in {l.name for l in scan(model, [inputs["input_ids"]], progress=False).layers})
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_blown_up_vision_tower_converts_on_image_samples(key):
-    model, family, groups, inputs = _setup(key)
+def test_blown_up_vision_tower_converts_on_image_samples():
+    """Qwen2.5-VL only (the Qwen2-VL tower takes the same path through the planner, ~10 s more)."""
+    model, family, groups, inputs = _setup("qwen2_5_vl")
     peak = max(l.residual_peak for l in scan(model, [inputs], progress=False).layers if l.name.startswith("model.visual"))
     k = math.ceil(math.log2(4 * 65504 / peak))
     apply_exponents_(model, family, groups, {"vision_residual": k})
