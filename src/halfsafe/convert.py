@@ -13,7 +13,7 @@ from .calibration import default_text, make_samples
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import GAIN1P, Family, family_for
 from .formats import FP16_MAX, FP16_MIN_NORMAL
-from .forward import logits as forward_logits
+from .forward import logits as forward_logits, prefix
 from .groups import Group, expand
 from .metrics import mean_kl, top1_agreement
 from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve
@@ -164,7 +164,7 @@ def plan_fp16_safe(
     if samples is None:
         samples = default_samples(model, tokenizer)
     report = scan_report or scan(model, samples, progress=progress)
-    governed = probe(model, family, groups, samples[0][:, :PROBE_TOKENS])
+    governed = probe(model, family, groups, prefix(samples[0], PROBE_TOKENS))
     constraints = constraints_from(report.sites, governed, groups, dict(model.named_parameters()))
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
@@ -199,7 +199,7 @@ def plan_fp16_safe(
 
 
 def _eval_ids(samples: list[torch.Tensor]) -> torch.Tensor:
-    return samples[0][:, :EVAL_TOKENS]
+    return prefix(samples[0], EVAL_TOKENS)
 
 
 @torch.no_grad()

@@ -16,18 +16,27 @@ def is_encoder_decoder(model: PreTrainedModel) -> bool:
 
 
 def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
-    """Encoder-decoder models are teacher-forced: the decoder reads the same text shifted right. A sample
-    may also be a dict of model inputs (token ids with pixel values or audio features), passed as it is."""
+    """Encoder-decoder models are teacher-forced: the decoder reads the same text shifted right. A sample may
+    also be a dict of model inputs (input_ids with pixel_values and the like, for a vision-language model),
+    passed as it is."""
+    extra = {}
     if isinstance(ids, Mapping):
-        return {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
+        extra = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
+        ids = extra.pop("input_ids")
     ids = ids.to(model.device)
     if not is_encoder_decoder(model):
-        return {"input_ids": ids}
+        return {"input_ids": ids, **extra}
     start = getattr(model.config, "decoder_start_token_id", None)
     if start is None:
         start = getattr(model.config, "pad_token_id", None) or 0
     decoder_ids = torch.cat([torch.full_like(ids[:, :1], start), ids[:, :-1]], dim=1)
-    return {"input_ids": ids, "decoder_input_ids": decoder_ids}
+    return {"input_ids": ids, "decoder_input_ids": decoder_ids, **extra}
+
+
+def prefix(sample: torch.Tensor | dict, n: int) -> torch.Tensor | dict:
+    """The first n tokens of a sample; a dict sample (text with image inputs) whole, since its image tokens
+    must stay with their pixels."""
+    return sample if isinstance(sample, dict) else sample[:, :n]
 
 
 @torch.no_grad()

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from .errors import HalfsafeError, UnsupportedModelError
 
 FIXTURE_NAMES = ("gemma3-270m",)
-_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageTextToText",
+                 "AutoModel")
 
 
 @dataclass

@@ -79,15 +79,16 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int) -> None:
     if family.eps_scope is not None:
         _scale_scoped_eps(model, family, factor)
         return
+    modules = _eps_modules(model, family)
     # The top config, its text config, and the copies some submodules keep (T5's encoder/decoder stacks).
-    configs = [model.config, model.config.get_text_config()] + [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    configs = [model.config, model.config.get_text_config()] + [m.config for m in modules if isinstance(getattr(m, "config", None), PretrainedConfig)]
     for config in {id(c): c for c in configs}.values():
         for attr in family.eps_attrs:
             old = getattr(config, attr, None)
             if old is None:
                 continue
             setattr(config, attr, old * factor)
-            for module in model.modules():
+            for module in modules:
                 for mattr in family.eps_module_attrs:
                     if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
                         setattr(module, mattr, old * factor)
@@ -113,3 +114,13 @@ def _scale_scoped_eps(model: PreTrainedModel, family: Family, factor: float) -> 
                     for mattr in family.eps_module_attrs:
                         if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
                             setattr(module, mattr, old * factor)
+
+
+def _eps_modules(model: PreTrainedModel, family: Family) -> list:
+    """Every module whose eps the family's eps moves: all but those under `family.eps_skip_modules`."""
+    if not family.eps_skip_modules:
+        return list(model.modules())
+    bare = getattr(model, "base_model", None) is model  # a bare base model names modules without its prefix
+    prefix = f"{model.base_model_prefix}."
+    skip = [p[len(prefix):] if bare and p.startswith(prefix) else p for p in family.eps_skip_modules]
+    return [m for n, m in model.named_modules() if not any(n == p or n.startswith(p + ".") for p in skip)]

@@ -78,9 +78,14 @@ from .layers import find_blocks  # noqa: E402
 RESIDUAL_WRITERS = (
     ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"),  # Gemma 4 (per-layer inputs)
     ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end", "feed_forward2.post_layer_norm"),  # Gemma 4 audio
+    ("post_self_attn_layernorm", "post_cross_attn_layernorm", "post_feedforward_layernorm"),  # T5Gemma decoder
+    ("post_self_attn_layernorm", "post_feedforward_layernorm"),  # T5Gemma encoder, T5Gemma 2 (sandwich norms)
+    ("post_self_attn_layernorm", "post_mlp_layernorm"),  # GLM-4 (sandwich norms)
     ("post_attention_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3/4 (and Gemma 4 vision), OLMo2: post-branch norms
     ("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),  # T5 decoder block
     ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),  # T5 encoder block
+    ("layer.0.LocalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # LongT5 encoder block (local)
+    ("layer.0.TransientGlobalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # LongT5 encoder block (transient-global)
     ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"),  # BART/Pegasus decoder layer
     ("self_attn.out_proj", "fc2"),  # BART/Pegasus encoder layer
     ("self_attn.o_proj", "mlp.down_proj"),  # Llama, Mistral, Qwen2/3, Gemma 1, Phi-3
@@ -88,6 +93,9 @@ RESIDUAL_WRITERS = (
     ("attn.c_proj", "mlp.c_proj"),  # GPT-2
     ("attention.dense", "mlp.dense_4h_to_h"),  # GPT-NeoX (parallel or sequential residual)
     ("attention.output.dense", "output.dense"),  # BERT, RoBERTa (post-norm: LayerNorm(write + residual))
+    ("self_attn.out_proj", "mlp.fc2"),  # SigLIP encoder layer (T5Gemma 2's vision tower)
+    ("attn.proj", "mlp.fc2"),  # Qwen2-VL vision block
+    ("attn.proj", "mlp.down_proj"),  # Qwen2.5-VL vision block
 )
 
 

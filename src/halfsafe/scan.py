@@ -10,7 +10,7 @@ from rich.progress import Progress
 from transformers import PreTrainedModel
 
 from .formats import FP16_MAX
-from .forward import model_inputs, run_for_stats
+from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
 from .precision import cast_copy
 from .stats import ActivationCollector, SiteStats
@@ -108,7 +108,7 @@ def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor])
     try:
         with ActivationCollector(half, stop_at_nonfinite=True) as collector:
             for ids in samples[:2]:
-                half(**model_inputs(half, ids[:, :FP16_CHECK_TOKENS]), use_cache=False)
+                half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
                 if collector.first_nonfinite:
                     break
         return collector.first_nonfinite
@@ -123,7 +123,7 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
         model=name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         model_type=model.config.model_type,
         n_samples=len(samples),
-        n_tokens=sum(s.numel() for s in samples),
+        n_tokens=sum((s["input_ids"] if isinstance(s, dict) else s).numel() for s in samples),
         sites=sites,
         layers=layer_peaks(model, sites),
     )

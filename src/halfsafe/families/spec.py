@@ -103,6 +103,9 @@ class Family:
     # beside a language model): fn(model) -> {sub-config attribute of model.config ("" for model.config
     # itself): module names under which every norm copied that eps}. None: every config and every module.
     eps_scope: Callable | None = None
+    # Modules (named as templates name them, e.g. a vision tower "model.visual") whose norms keep their own eps
+    # when eps_power moves the family's: a tower whose eps is not the language model's, though it may equal it.
+    eps_skip_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
     notes: str = ""
