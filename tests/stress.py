@@ -40,9 +40,14 @@ _SANDWICH = [(r"\.post_attention_layernorm\.weight", GAIN1P),
              (r"\.post_feedforward_layernorm\.weight", GAIN1P), (r"\.self_attn\.o_proj\.weight", ROW),
              (r"\.mlp\.down_proj\.weight", ROW)]
 # Gemma 4: x*w sandwich norms; the towers (vision, audio) are left as they are
-_LM = r"^(?!.*(vision|audio)).*"
+_LM = r"^(?!.*(vision|audio|visual)).*"
 _GEMMA4 = [(_LM + r"\.post_attention_layernorm\.weight$", GAIN), (_LM + r"\.post_feedforward_layernorm\.weight$", GAIN),
            (_LM + r"\.self_attn\.o_proj\.weight$", ROW), (_LM + r"\.mlp\.down_proj\.weight$", ROW)]
+_LM_DECODER = [(_LM + rx, kind) for rx, kind in _DECODER_LM]  # a vision-language model's language model
+_GLM4 = [(r"\.post_self_attn_layernorm\.weight", GAIN), (r"\.post_mlp_layernorm\.weight", GAIN),
+         (r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.down_proj\.weight", ROW)]
+_T5GEMMA = [(_LM + r"\.post_(self|cross)_attn_layernorm\.weight$", GAIN1P), (_LM + r"\.post_feedforward_layernorm\.weight$", GAIN1P),
+            (_LM + r"\.(self_attn|cross_attn)\.o_proj\.weight$", ROW), (_LM + r"\.mlp\.down_proj\.weight$", ROW)]
 _T5 = [(r"\.SelfAttention\.o\.weight", ROW), (r"\.EncDecAttention\.o\.weight", ROW),
        (r"\.DenseReluDense\.wo\.weight", ROW), (r"\.DenseReluDense\.wi(_1)?\.weight", FEED),
        (r"\.SelfAttention\.v\.weight", FEED), (r"\.EncDecAttention\.v\.weight", FEED)]
@@ -62,6 +67,9 @@ WRITERS: dict[str, list[tuple[str, str]]] = {
     "gpt_neox": [(r"\.attention\.dense\.weight", ROW), (r"\.mlp\.dense_4h_to_h\.weight", ROW),
                  (r"\.mlp\.dense_h_to_4h\.weight", FEED)],
     "t5": _T5, "mt5": _T5, "umt5": _T5,
+    "longt5": _T5 + [(r"\.(LocalSelfAttention|TransientGlobalSelfAttention)\.o\.weight", ROW),
+                     (r"\.(LocalSelfAttention|TransientGlobalSelfAttention)\.v\.weight", FEED)],
+    "glm4": _GLM4, "qwen2_vl": _LM_DECODER, "qwen2_5_vl": _LM_DECODER, "t5gemma": _T5GEMMA, "t5gemma2": _T5GEMMA,
     "pegasus": [(r"\.self_attn\.out_proj\.weight", ROW), (r"\.encoder_attn\.out_proj\.weight", ROW),
                 (r"\.fc2\.weight", ROW), (r"\.fc1\.weight", FEED), (r"\.v_proj\.weight", FEED)],
     "bert": _BERT, "roberta": _BERT,
@@ -140,7 +148,7 @@ def weight_peak(model: nn.Module) -> float:
 
 
 @torch.no_grad()
-def make_stress(model: nn.Module, run, margin_bits: float = 2.0, start: int = 4, stop: int = 48) -> float:
+def make_stress(model: nn.Module, run, margin_bits: float = 2.0, start: int = 12, stop: int = 48) -> float:
     """Amplify `model` in place until its fp32 activations pass 65504 by `margin_bits` (measured with `run()`),
     keeping every weight under 65504. Returns the log2 factor used; fails if no factor does both."""
     writers = WRITERS[model.config.model_type]
