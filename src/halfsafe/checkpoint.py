@@ -8,6 +8,8 @@ model card section.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -15,37 +17,119 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from . import __version__
 from .errors import HalfsafeError
 
+log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
+
+
+_PID_FILE = ".halfsafe-pid"  # inside a temporary folder: the process writing it, so a later run knows it died
 
 
 @contextmanager
 def atomic_folder(out: Path):
-    """Yield a temporary folder beside `out`; when the block succeeds it replaces `out`, when it fails
-    it is removed. Either way no half-written `out` is ever visible."""
+    """Yield a temporary folder beside `out`; when the block succeeds it replaces `out`, when it fails it is
+    removed. An existing `out` is renamed aside first and deleted only once the new one is in place, so a
+    crash at any moment leaves either the old or the new folder, never a half-written one."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    (tmp / _PID_FILE).write_text(str(os.getpid()))
+    old = None
     try:
         yield tmp
+        (tmp / _PID_FILE).unlink()
         tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is ordinary
         if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            (old / _PID_FILE).write_text(str(os.getpid()))
+            out.rename(old / out.name)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if old is not None:  # put the old folder back
+                (old / out.name).rename(out)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def check_out_dir(out: str | Path, overwrite: bool) -> Path:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(out: Path) -> list[Path]:
+    """Remove what a killed run left beside `out` (`.OUT.tmp-*`, `.OUT.old-*` whose process is gone), saying so;
+    an `.OUT.old-*` still holding a complete folder while `out` is missing is moved back first."""
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for leftover in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
+        try:
+            pid = int((leftover / _PID_FILE).read_text())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            continue  # another run is writing it now
+        kept = leftover / out.name
+        if leftover.name.startswith(f".{out.name}.old-") and kept.is_dir() and not out.exists():
+            kept.rename(out)  # killed between renaming the old folder aside and the new one in
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed.append(leftover)
+        log.warning("removed %s, left by a halfsafe run that did not finish", leftover)
+    return removed
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0) -> Path:
+    """Fail now, not after an hour of work: OUT must not exist (unless overwrite), its folder must be creatable and
+    writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the new one is done)."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise HalfsafeError(f"{out} already exists: choose another output folder or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise HalfsafeError(f"{out} exists and is not a folder: choose another output path")
+    base = _existing_ancestor(out.parent)
+    if not base.is_dir():
+        raise HalfsafeError(f"cannot create {out}: {base} is not a folder; choose another output path")
+    try:  # os.access says yes to root on a read-only mount: try for real
+        probe = Path(tempfile.mkdtemp(prefix=".halfsafe-write-test-", dir=base))
+        probe.rmdir()
+    except OSError as e:
+        raise HalfsafeError(f"cannot write to {base} ({e.strerror}): choose a writable output folder") from None
+    if needed_bytes:
+        free = shutil.disk_usage(base).free
+        if free < needed_bytes:
+            raise HalfsafeError(
+                f"{base} has {free / 1e9:.2f} GB free, the output needs about {needed_bytes / 1e9:.2f} GB: "
+                "free some space or choose another output folder"
+            )
     return out
+
+
+def output_bytes(model: PreTrainedModel) -> int:
+    """The float16 checkpoint's size: 2 bytes per distinct parameter, plus room for tokenizer and metadata."""
+    seen = {id(p): p.numel() for p in model.parameters()}
+    return 2 * sum(seen.values()) + (64 << 20)
 
 
 def _check_weights(model: PreTrainedModel) -> None:
@@ -58,9 +142,19 @@ def save_fp16_checkpoint(
     model: PreTrainedModel, tokenizer, out: str | Path, info: dict, source_folder: Path | None = None, overwrite: bool = False
 ) -> Path:
     """Cast `model` to fp16 in place and save it with its tokenizer, `info` as halfsafe.json and a card."""
-    out = check_out_dir(out, overwrite)
+    out = check_out_dir(out, overwrite, output_bytes(model))
     model.half()
     _check_weights(model)
+    try:
+        _write(model, tokenizer, out, info, source_folder)
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "
+                            "another output folder") from None
+    return out
+
+
+def _write(model: PreTrainedModel, tokenizer, out: Path, info: dict, source_folder: Path | None) -> None:
     with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
@@ -73,7 +167,6 @@ def save_fp16_checkpoint(
         info = {"halfsafe_version": __version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__, **info}
         (tmp / "halfsafe.json").write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
         _write_card(tmp / "README.md", info)
-    return out
 
 
 def _write_card(path: Path, info: dict) -> None:

@@ -255,12 +255,13 @@ def convert_checkpoint(
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`."""
     from .calibration import read_texts
-    from .checkpoint import check_out_dir, save_fp16_checkpoint
+    from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
     from .loading import load_model
 
     check_out_dir(out, overwrite)  # fail before the slow part
     loaded = load_model(source)
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
+    check_out_dir(out, overwrite, output_bytes(loaded.model))  # and a disk too small for the output
     vocab = loaded.model.config.get_text_config().vocab_size
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress)
