@@ -59,7 +59,7 @@ WRITERS: dict[str, list[tuple[str, str]]] = {
     "phi3": [(r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.down_proj\.weight", ROW),
              (r"\.mlp\.gate_up_proj\.weight", FEED_LAST)],
     "gemma": _DECODER_LM,
-    "gemma2": _SANDWICH, "gemma3_text": _SANDWICH, "gemma4_text": _GEMMA4, "gemma4": _GEMMA4,
+    "gemma2": _SANDWICH, "gemma3_text": _SANDWICH, "gemma3": _SANDWICH, "gemma4_text": _GEMMA4, "gemma4": _GEMMA4,
     "gpt2": [(r"\.attn\.c_proj\.weight", COL), (r"\.mlp\.c_proj\.weight", COL),
              (r"\.mlp\.c_fc\.weight", FEED)],
     "gpt_neo": [(r"\.attn\.attention\.out_proj\.weight", ROW),

@@ -73,7 +73,8 @@ def conversion_tables(report: ConversionReport, console: Console) -> None:
         layers.add_row(name, fmt(before.residual_peak), fmt(after), headroom_cell(math.log2(65504 / after) if after > 0 else math.inf))
     console.print(layers)
     worst = max(report.storage, key=lambda s: s["after"]["fp16_rel_error"], default=None)
-    console.print(f"{len(plan.tensors)} tensors rescaled; norm eps x 2^{plan.eps_exponent}; fp32 output change "
+    eps = f"norm eps x 2^{plan.eps_exponent}" + "".join(f"; {k} x 2^{v}" for k, v in plan.eps_fields.items())
+    console.print(f"{len(plan.tensors)} tensors rescaled; {eps}; fp32 output change "
                   f"{report.fp32_output_change:.2e} (exactness)")
     if worst is not None:
         console.print(f"largest fp16 storage error of a rescaled tensor: {worst['after']['fp16_rel_error']:.2e} ({worst['param']})")

@@ -46,6 +46,8 @@ class Group:
     # Every block a per-block group moves parameters in: its own and, with `{i+1}` templates, the next
     # one. Empty means just `block` (probe attributes measured activations to groups by these blocks).
     span: tuple[str, ...] = ()
+    # The eps this group moves, when not the family's shared one: (config field path, module name prefixes).
+    eps_scope: tuple[str, tuple[str, ...]] | None = None
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -146,7 +148,8 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
                 groups.append(Group(f"{spec.name}@{block}", spec.name, block, tm, span=span))
         else:
             tm = tuple(TensorMove(name, m.power, m.kind, _resolve_select(m, model)) for m in moves for _, name in sorted(matched[m].items(), key=lambda kv: int(kv[0] or -1)))
-            groups.append(Group(spec.name, spec.name, None, tm, spec.eps_power))
+            scope = (spec.eps_field, tuple(_strip_base_prefix(model, m) for m in spec.eps_modules)) if spec.eps_field else None
+            groups.append(Group(spec.name, spec.name, None, tm, spec.eps_power, eps_scope=scope))
     _check_kinds(family, groups)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     for g in groups:

@@ -13,7 +13,7 @@ import torch
 from .families import GAIN1P
 from .formats import FP16_MAX
 from .groups import Group
-from .rewrite import eps_exponent, tensor_exponents
+from .rewrite import eps_exponent, scoped_eps_exponents, tensor_exponents
 from .stats import SiteStats
 
 FP16_MAX_BITS = math.log2(FP16_MAX)
@@ -105,6 +105,7 @@ class Plan:
     headroom_bits: float
     tensors: list[dict] = field(default_factory=list)  # every touched tensor with its exponent
     eps_exponent: int = 0
+    eps_fields: dict[str, int] = field(default_factory=dict)  # eps of their own (a tower's): config field -> exponent
 
     @classmethod
     def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float) -> "Plan":
@@ -114,12 +115,14 @@ class Plan:
             for p, entries in tensor_exponents(groups, exps).items()
             for kind, e, select in entries
         ]
-        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps))
+        fields = {scope[0]: e for scope, e in scoped_eps_exponents(groups, exps).items()}
+        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps), fields)
 
     def inverse(self) -> "Plan":
         inv = {k: -v for k, v in self.exponents.items()}
         tensors = [dict(t, exponent=-t["exponent"]) for t in self.tensors]
-        return Plan(self.family, self.model_type, inv, self.headroom_bits, tensors, -self.eps_exponent)
+        return Plan(self.family, self.model_type, inv, self.headroom_bits, tensors, -self.eps_exponent,
+                    {k: -v for k, v in self.eps_fields.items()})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +130,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         return cls(d["family"], d["model_type"], {k: int(v) for k, v in d["exponents"].items()}, float(d["headroom_bits"]),
-                   d.get("tensors", []), int(d.get("eps_exponent", 0)))
+                   d.get("tensors", []), int(d.get("eps_exponent", 0)), {k: int(v) for k, v in d.get("eps_fields", {}).items()})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -57,8 +57,24 @@ def scale_tensor_(t: torch.Tensor, kind: str, exponent: int, select=None) -> Non
 
 
 def eps_exponent(groups: list[Group], exponents: dict[str, int]) -> int:
-    """The norm eps moves by 2**(this)."""
-    return sum(g.eps_power * exponents.get(g.name, 0) for g in groups)
+    """The family's shared norm eps moves by 2**(this)."""
+    return sum(g.eps_power * exponents.get(g.name, 0) for g in groups if g.eps_scope is None)
+
+
+def scoped_eps_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[tuple, int]:
+    """(config field, module prefixes) -> exponent, for the groups that move an eps of their own (eps_field)."""
+    out: dict[tuple, int] = {}
+    for g in groups:
+        if g.eps_scope is not None and g.eps_power * exponents.get(g.name, 0):
+            out[g.eps_scope] = out.get(g.eps_scope, 0) + g.eps_power * exponents.get(g.name, 0)
+    return {k: v for k, v in out.items() if v}
+
+
+def move_eps_(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]) -> None:
+    """Move every norm eps the given group exponents move: the shared one and each group's own."""
+    scale_eps_(model, family, eps_exponent(groups, exponents))
+    for scope, e in scoped_eps_exponents(groups, exponents).items():
+        scale_eps_(model, family, e, scope)
 
 
 @torch.no_grad()
@@ -68,15 +84,19 @@ def apply_exponents_(model: PreTrainedModel, family: Family, groups: list[Group]
     for name, entries in tensor_exponents(groups, exponents).items():
         for kind, e, select in entries:
             scale_tensor_(params[name].data, kind, e, select)
-    scale_eps_(model, family, eps_exponent(groups, exponents))
+    move_eps_(model, family, groups, exponents)
 
 
-def scale_eps_(model: PreTrainedModel, family: Family, exponent: int) -> None:
-    """Move the shared norm eps in the config and in every norm module that copied it."""
+def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tuple[str, tuple[str, ...]] | None = None) -> None:
+    """Move the shared norm eps in the config and in every norm module that copied it; with `scope`
+    (config field path, module prefixes), that one field and the norms under those modules only."""
     if not exponent:
         return
     factor = 2.0 ** exponent
-    if family.eps_scope is not None:
+    if scope is not None:  # one group's own eps (GroupSpec.eps_field)
+        _scale_group_eps(model, family, factor, *scope)
+        return
+    if family.eps_scope is not None:  # the family's eps, in the sub-configs and modules it names
         _scale_scoped_eps(model, family, factor)
         return
     modules = _eps_modules(model, family)
@@ -124,3 +144,22 @@ def _eps_modules(model: PreTrainedModel, family: Family) -> list:
     prefix = f"{model.base_model_prefix}."
     skip = [p[len(prefix):] if bare and p.startswith(prefix) else p for p in family.eps_skip_modules]
     return [m for n, m in model.named_modules() if not any(n == p or n.startswith(p + ".") for p in skip)]
+
+
+def _scale_group_eps(model: PreTrainedModel, family: Family, factor: float, field: str, prefixes: tuple[str, ...]) -> None:
+    """One config field (e.g. "vision_config.layer_norm_eps") and the norms under `prefixes` that copied it."""
+    *path, attr = field.split(".")
+    config = model.config
+    for part in path:
+        config = getattr(config, part)
+    old = getattr(config, attr)
+    within = [m for name, m in model.named_modules() if any(name == p or name.startswith(p + ".") for p in prefixes)]
+    # The sub-models under those prefixes may hold their own copy of that config (normally the same object).
+    configs = [config] + [m.config for m in within if isinstance(getattr(m, "config", None), PretrainedConfig)
+                          and getattr(m.config, attr, None) == old]
+    for c in {id(c): c for c in configs}.values():
+        setattr(c, attr, old * factor)
+    for module in within:
+        for mattr in family.eps_module_attrs:
+            if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
+                setattr(module, mattr, old * factor)

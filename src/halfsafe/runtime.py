@@ -17,7 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 _ATTR = "_keep_in_fp32_modules"
 
@@ -88,6 +88,7 @@ RESIDUAL_WRITERS = (
     ("layer.0.TransientGlobalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # LongT5 encoder block (transient-global)
     ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"),  # BART/Pegasus decoder layer
     ("self_attn.out_proj", "fc2"),  # BART/Pegasus encoder layer
+    ("self_attn.out_proj", "mlp.fc2"),  # SigLIP/CLIP vision encoder layer (Gemma 3's vision tower)
     ("self_attn.o_proj", "mlp.down_proj"),  # Llama, Mistral, Qwen2/3, Gemma 1, Phi-3
     ("attn.attention.out_proj", "mlp.c_proj"),  # GPT-Neo
     ("attn.c_proj", "mlp.c_proj"),  # GPT-2
@@ -172,6 +173,25 @@ def _block_input_to_fp32(module, args, kwargs):
     return None
 
 
+def _towers(model: nn.Module) -> list[nn.Module]:
+    """Sub-models built from a non-text sub-config (a vision tower: `config.vision_config`)."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        return []
+    subs = [c for c in vars(config).values() if isinstance(c, PretrainedConfig) and c is not config.get_text_config()]
+    return [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel) and any(m.config is c for c in subs)]
+
+
+def _outputs_to_weight_dtype(module, args, out):
+    """A tower's outputs in its weight dtype, as a plain fp16 run gives them to what reads them (Gemma 3's
+    projector multiplies by a bare fp16 parameter): the fp32 residual stays inside the tower."""
+    dtype = next(module.parameters()).dtype
+    for k, v in list(out.items()) if hasattr(out, "items") else []:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            out[k] = v.to(dtype)
+    return out
+
+
 def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
     """Run `model` (float16 weights) with its residual stream in float32: every weight, matmul and attention
     stays float16, but each block receives its hidden states in float32, so each residual add promotes to
@@ -182,7 +202,8 @@ def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
     linear layer casts its input back to its weight dtype, so matmuls stay fp16; norms that write into the
     residual (Gemma 2/3 post-norms, which compute in fp32 and return their input's dtype) get float32 input, so
     their writes are not rounded to fp16; nn.LayerNorm computes in float32 (PyTorch refuses fp32 input with
-    fp16 weights). The final norm reads the float32 stream. Custom runtime code: an fp16-only runtime or
+    fp16 weights). The final norm reads the float32 stream. A vision tower's outputs return to float16 (`_towers`).
+    Custom runtime code: an fp16-only runtime or
     export cannot do this; the residual costs twice the activation memory.
     """
     modules = dict(model.named_modules())
@@ -199,6 +220,8 @@ def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
                 handle.add(lambda m=m: m.__dict__.pop("forward", None))
         for name in writer_norms:
             handle.add_hook(modules[name].register_forward_pre_hook(lambda mod, args: (_cast_floats(args[0], torch.float32), *args[1:])))
+        for tower in _towers(model):
+            handle.add_hook(tower.register_forward_hook(_outputs_to_weight_dtype))
     except BaseException:
         handle.remove()
         raise

@@ -36,7 +36,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from . import __version__
 from .errors import HalfsafeError
 from .formats import FP16_MAX
-from .forward import is_encoder_decoder, model_inputs
+from .forward import is_encoder_decoder
+from .forward import logits as forward_logits
 from .layers import find_blocks
 from .metrics import kl_per_token
 from .precision import cast_copy
@@ -419,8 +420,7 @@ class _Runner:
                     self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
 
                     def forward(ids=ids):
-                        o = model(**model_inputs(model, ids), use_cache=False)
-                        return o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state
+                        return forward_logits(model, ids)
 
                     start = time.perf_counter()
                     if t == 0 and s == 0:

@@ -31,12 +31,14 @@ TINY = _collect()  # key (a model_type, or model_type plus a variant like "t5-v1
 def make_tiny(key: str, seed: int = 0, untie: bool = False) -> PreTrainedModel:
     torch.manual_seed(seed)
     config = TINY[key]()
-    if untie:
-        config.tie_word_embeddings = False
+    if untie:  # composite configs (Gemma 3) tie by their text config's flag
+        config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
     model = model_class_for(config)(config).float().eval()
     for name, p in model.named_parameters():
         if p.dim() == 1:
             p.add_(torch.randn_like(p) * 0.1)
+        elif not p.any():  # initialised to zero (Gemma 3's image projection): a zero write would hide a missing move
+            p.normal_(0, 0.02)
         p.copy_(p.bfloat16().float())
     for name, b in model.named_buffers():
         if b.is_floating_point() and "bias" in name:

@@ -1,7 +1,8 @@
 """Architecture knowledge, one data module per family, looked up by `config.model_type`.
 
 Adding a family: write `families/<name>.py` defining `FAMILY = Family(...)` (or `FAMILIES`; every module here is
-read), and add tiny configs for its model types in tests/tiny/<name>.py.
+read), and add tiny configs for its model types in tests/tiny/<name>.py. A module may instead (or also) define
+`REFUSED = {model_type: reason}` for an architecture no exact rescale covers: family_for raises with that reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def _load_registry() -> dict[str, Family]:
     registry: dict[str, Family] = {}
     for mod in _family_modules():
         module = import_module(f"{__name__}.{mod}")
-        for family in getattr(module, "FAMILIES", None) or (module.FAMILY,):
+        REFUSED.update(getattr(module, "REFUSED", {}))
+        for family in getattr(module, "FAMILIES", None) or ((module.FAMILY,) if hasattr(module, "FAMILY") else ()):
             for model_type in family.model_types:
                 if model_type in registry:
                     raise ValueError(f"model_type {model_type!r} claimed by {registry[model_type].name} and {family.name}")
@@ -28,6 +30,7 @@ def _load_registry() -> dict[str, Family]:
     return registry
 
 
+REFUSED: dict[str, str] = {}  # model_type -> why no exact rescale covers it (one line)
 REGISTRY = _load_registry()
 
 
@@ -36,6 +39,8 @@ def supported_model_types() -> list[str]:
 
 
 def family_for(model_type: str) -> Family:
+    if model_type in REFUSED and model_type not in REGISTRY:
+        raise UnsupportedModelError(REFUSED[model_type])
     try:
         return REGISTRY[model_type]
     except KeyError:

@@ -68,6 +68,12 @@ class GroupSpec:
     # for pairs that are exact in some blocks of a model only (e.g. not where another block reads the result).
     blocks: Callable | None = None
     why: str = ""
+    # A model whose parts have norms of their own eps (a vision tower beside a language model) names, per group,
+    # the config field its eps_power moves (a dotted path from the model's config, "vision_config.layer_norm_eps")
+    # and the modules whose norms copy that field at run time (name prefixes, as the templates name parameters).
+    # Empty: the family's eps_attrs, in every config and norm of the model that holds them.
+    eps_field: str = ""
+    eps_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         for m in self.moves:
@@ -85,6 +91,8 @@ class GroupSpec:
             raise ValueError(f"group {self.name}: only a per-block group can be limited to some blocks")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
+        if bool(self.eps_field) != bool(self.eps_modules) or (self.eps_field and not self.eps_power):
+            raise ValueError(f"group {self.name}: eps_field and eps_modules go together, with an eps_power")
         # Parts of one fused tensor (distinct selects) may move by different powers (Q rows x c, K rows / c);
         # groups.expand checks that such parts do not overlap.
         if len({(m.param, m.select) for m in self.moves}) != len(self.moves):
@@ -115,7 +123,7 @@ class Family:
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"family {self.name}: group names repeat: {names}")
-        if any(g.eps_power for g in self.groups) and not self.eps_attrs:
+        if any(g.eps_power and not g.eps_field for g in self.groups) and not self.eps_attrs:
             raise ValueError(f"family {self.name}: a group moves the eps but eps_attrs is empty")
 
 

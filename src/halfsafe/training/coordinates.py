@@ -35,7 +35,7 @@ from torch import nn
 
 from ..families import GAIN1P, MUL, Family, family_for
 from ..groups import Group, expand
-from ..rewrite import _select_key, apply_exponents_, eps_exponent, scale_eps_, tensor_exponents
+from ..rewrite import _select_key, apply_exponents_, move_eps_, tensor_exponents
 
 
 def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -99,7 +99,7 @@ class TrainingRescaler:
         `eps_already_moved=False` moves the norm eps now (a model object whose config was not saved)."""
         self._check_names(exponents)
         if not eps_already_moved:
-            scale_eps_(self.model, self.family, eps_exponent(self.groups, exponents))
+            move_eps_(self.model, self.family, self.groups, exponents)
         self.exponents = _add(self.exponents, exponents)
         self._rebuild(shadows_from_model=True)
 
