@@ -225,19 +225,20 @@ def test_gemma3_plain_fp16_is_non_finite_and_converted_fp16_beats_bf16(gemma3_re
     fp16, bf16, conv = r.result(FP16).overall, r.result(BF16).overall, r.result(HALFSAFE).overall
     assert fp16.nonfinite_logits > 0 and math.isnan(fp16.kl_mean)
     assert conv.nonfinite_logits == 0 and bf16.nonfinite_logits == 0
-    # measured on this 96-token sample: 45x (and 62x on the benchmark's 2689 held-out tokens)
+    # measured on this 96-token sample: 1.50e-5 against bf16's 9.33e-4 (62x); top-1 95/96 for both; greedy 16/16
+    # (bf16: 14/16, clamp: 4/16)
     assert conv.kl_mean < bf16.kl_mean / 20, (conv.kl_mean, bf16.kl_mean)
-    assert conv.top1 >= bf16.top1 and conv.greedy_matched == conv.greedy_total == GREEDY
+    assert conv.top1 >= 0.98 and conv.greedy_matched == conv.greedy_total == GREEDY
     assert not r.result(HALFSAFE).variant.custom_runtime
     peak_before, peak_after = max(r.result(REFERENCE).layer_peaks), max(r.result(HALFSAFE).layer_peaks)
-    assert peak_before > 65504 > 4 * peak_after  # the 2 bits of headroom hold on held-out text
+    assert peak_before > 65504 > 4 * peak_after  # the 2 bits of headroom hold on held-out text (measured 12984)
 
 
 @pytest.mark.slow
 def test_gemma3_clamp_baseline_is_finite_but_worse_than_bf16_and_converted(gemma3_report):
     clamp, conv, bf16 = gemma3_report.result(CLAMP), gemma3_report.result(HALFSAFE), gemma3_report.result(BF16)
     assert clamp.overall.nonfinite_logits == 0 and clamp.variant.custom_runtime
-    # measured: clamp KL ~0.2 against bf16's ~1e-3 (180x worse) and halfsafe's ~2e-5
+    # measured: clamp KL 0.33 against bf16's 9.3e-4 (350x worse) and halfsafe's 1.5e-5; greedy 4/16 against 16/16
     assert clamp.overall.kl_mean > 10 * bf16.overall.kl_mean > 100 * conv.overall.kl_mean
     assert clamp.overall.greedy_matched < conv.overall.greedy_matched
 
