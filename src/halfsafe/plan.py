@@ -12,7 +12,7 @@ import torch
 
 from .families import GAIN1P
 from .formats import FP16_MAX
-from .groups import Group
+from .groups import Group, select_parts
 from .rewrite import eps_exponent, tensor_exponents
 from .stats import SiteStats
 
@@ -141,7 +141,5 @@ class Plan:
 def _describe_select(select) -> str | None:
     if select is None:
         return None
-    dim, index = select
-    if isinstance(index, slice):
-        return f"dim {dim} [{index.start}:{index.stop}]"
-    return f"dim {dim}, {len(index)} indices"
+    return ", ".join(f"dim {dim} [{index.start}:{index.stop}]" if isinstance(index, slice) else f"dim {dim}, {len(index)} indices"
+                     for dim, index in select_parts(select))

@@ -12,6 +12,11 @@ holds at most one placeholder:
 - `{last}` (whole-model groups only): the last block of that list, i.e. the highest index the template
   matches, which must also be the last element of its ModuleList.
 groups.expand fails loudly when templates match different blocks (see there for the rules).
+
+Fused mixture-of-experts weights stack every expert of a block in one tensor (`experts.gate_up_proj`
+[E, 2I, H], `experts.down_proj` [E, H, I]). A `per_expert` group is a per-block group repeated for each
+expert e: every move names the dim its tensor stacks experts along (`Move.expert`), and takes expert e's
+slice there (and, with `select`, only part of that slice, e.g. the up rows of `gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -47,14 +52,17 @@ class Move:
     # Part of the tensor only: (dim, fn(config) -> slice or index list), e.g. the V rows of a fused QKV.
     select: tuple[int, Callable] | None = None
     when: Callable | None = None  # fn(model) -> bool: the move applies to this model (e.g. `tied_head`)
+    expert: int | None = None  # the dim the tensor stacks experts along (moves of a per_expert group)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Move {self.param}: kind must be one of {KINDS}, not {self.kind!r}")
         if self.power == 0:
             raise ValueError(f"Move {self.param}: power 0 moves nothing")
-        if self.kind == GAIN1P and self.select is not None:
+        if self.kind == GAIN1P and (self.select is not None or self.expert is not None):
             raise ValueError(f"Move {self.param}: a (1+w) gain moves whole")
+        if self.select is not None and self.expert is not None and self.select[0] == self.expert:
+            raise ValueError(f"Move {self.param}: select and expert name the same dim {self.expert}")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class GroupSpec:
     eps_power: int = 0  # the family's norm eps moves by s**eps_power (every norm input scales by s)
     when: Callable | None = None  # fn(model) -> bool: the group exists for this model
     why: str = ""
+    per_expert: bool = False  # per block, one group per expert (fused expert tensors; see the module doc)
 
     def __post_init__(self):
         for m in self.moves:
@@ -78,6 +87,10 @@ class GroupSpec:
             raise ValueError(f"group {self.name}: a per-block group needs a non-optional {{i}} template (its own block)")
         if not self.per_block and NEXT_BLOCK in kinds:
             raise ValueError(f"group {self.name}: {{i+1}} only makes sense in a per-block group")
+        if self.per_expert and not (self.per_block and all(m.expert is not None for m in self.moves)):
+            raise ValueError(f"group {self.name}: a per_expert group is per_block and every move names its expert dim")
+        if not self.per_expert and any(m.expert is not None for m in self.moves):
+            raise ValueError(f"group {self.name}: Move.expert only makes sense in a per_expert group")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
         # Parts of one fused tensor (distinct selects) may move by different powers (Q rows x c, K rows / c);
@@ -115,3 +128,16 @@ def tied_head(model) -> bool:
 
 def untied_head(model) -> bool:
     return not tied_head(model)
+
+
+def has_param(template: str) -> Callable:
+    """fn(model) -> bool: some parameter matches `template` (one `{i}` at most). For groups that exist only
+    in some models of a family, e.g. the dense MLP pair of a model whose blocks are all mixture-of-experts."""
+    rx = re.compile("^" + re.escape(template).replace(re.escape(BLOCK), r"\d+") + "$")
+
+    def check(model) -> bool:
+        prefix = f"{model.base_model_prefix}."
+        bare = getattr(model, "base_model", None) is model
+        return any(rx.match(prefix + n if bare else n) for n, _ in model.named_parameters())
+
+    return check
