@@ -18,6 +18,7 @@ from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import GroupSpec, Move, family_for
 from halfsafe.forward import logits
 from halfsafe.groups import expand
+from halfsafe.loading import model_class_for
 from halfsafe.precision import cast_copy
 from halfsafe.probe import probe
 from halfsafe.rewrite import apply_exponents_
@@ -156,25 +157,22 @@ def test_per_expert_groups_are_validated():
         GroupSpec("g", (Move("model.layers.{i}.mlp.experts.down_proj", expert=0),), per_block=True)
 
 
-def test_deepseek_mla_norms_with_their_own_eps_stay_exact():
-    """q_a_layernorm/kv_a_layernorm keep eps 1e-6 whatever `rms_norm_eps` says; where the two differ the
-    residual must leave their inputs alone (where they agree, the tiny configs, it moves them)."""
-    config = TINY["deepseek_v3"]()
-    config.rms_norm_eps = 1e-5
-    torch.manual_seed(0)
-    from halfsafe.loading import model_class_for
-    model = model_class_for(config)(config).float().eval()
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.data.add_(torch.randn_like(p) * 0.1)
-    ids = tiny_ids(model)
-    ref = logits(model, ids)
-    family = family_for("deepseek_v3")
+@pytest.mark.parametrize("key", MOE_KEYS)
+def test_a_rescaled_model_saved_and_loaded_computes_the_same(key, tmp_path):
+    """What moved must survive save_pretrained/from_pretrained: the fused expert tensors and the eps in the
+    config. DeepSeek's MLA norms take eps 1e-6 from the code, not the config, so a moved MLA eps would be
+    lost on loading: it must not move (fixed_eps_modules), even where it equals `rms_norm_eps`."""
+    model = make_tiny(key)
+    ids = tiny_ids(model, length=16)
+    family = family_for(model.config.model_type)
     groups = expand(family, model)
-    assert not any("q_a_proj" in m.param for g in groups for m in g.moves)
-    apply_exponents_(model, family, groups, {"residual": -6})
-    assert _rel(logits(model, ids), ref) < 1e-6
-    assert any("q_a_proj" in m.param for g in expand(family, make_tiny("deepseek_v3")) for m in g.moves)
+    rng = random.Random(2)
+    apply_exponents_(model, family, groups, {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups} | {"residual": -5})
+    fixed = [m for n, m in model.named_modules() if n.endswith(family.fixed_eps_modules or ("-",))]
+    assert all(m.variance_epsilon == 1e-6 for m in fixed) and (bool(fixed) == key.startswith("deepseek"))
+    model.save_pretrained(tmp_path)
+    loaded = model_class_for(model.config).from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert _rel(logits(loaded, ids), logits(model, ids)) < 1e-6
 
 
 @pytest.mark.parametrize("key", ["mixtral", "gpt_oss"])

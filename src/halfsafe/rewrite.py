@@ -90,7 +90,9 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int) -> None:
             if old is None:
                 continue
             setattr(config, attr, old * factor)
-            for module in model.modules():
+            for name, module in model.named_modules():
+                if family.fixed_eps_modules and name.endswith(family.fixed_eps_modules):
+                    continue
                 for mattr in family.eps_module_attrs:
                     if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
                         setattr(module, mattr, old * factor)

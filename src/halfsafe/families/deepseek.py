@@ -11,9 +11,9 @@ MoE: y = experts(x) (weights from a router on x, times `routed_scaling_factor`) 
 
 - residual: `embed_tokens`, `o_proj`, dense `mlp.down_proj`, every expert's `down_proj`, the shared
   experts' `down_proj` (and biases where the config has them) x a; tied head: `model.norm.weight` / a;
-  `rms_norm_eps` x a^2. halfsafe moves the eps in every norm module that holds the config's value, so
-  where the MLA norms' 1e-6 equals `rms_norm_eps` (every released checkpoint) their inputs move too:
-  `q_a_proj` and the latent rows of `kv_a_proj_with_mqa` x a (free: their outputs are normalised).
+  `rms_norm_eps` x a^2 (the block norms and the final norm read it). The MLA norms' eps is fixed in code,
+  so a checkpoint cannot move it (`fixed_eps_modules`); they read `q_a_proj` / `kv_a_proj_with_mqa`, which
+  read the normed stream, and nothing in them moves.
 - vo: kv_b_proj's v rows of every head x c, `o_proj.weight` / c.
 - qk: q_b_proj (or q_proj) x c; kv_b_proj's k_nope rows / c and kv_a_proj_with_mqa's rope rows / c.
 - up_down (dense layers), shared_up_down, expert_up_down (per routed expert).
@@ -25,22 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from .llama import L, _biased
+from .llama import L
 from .mixtral import expert_up_down, mlp_up_down, moe_residual
 from .spec import Family, GroupSpec, Move
 
 A = f"{L}.self_attn"
-
-
-def _mla_norms_share_eps(model) -> bool:
-    """The MLA norms hold the config's eps (so the residual's eps move reaches them)."""
-    eps = model.config.get_text_config().rms_norm_eps
-    norms = [m for n, m in model.named_modules() if n.endswith(("q_a_layernorm", "kv_a_layernorm"))]
-    return bool(norms) and all(m.variance_epsilon == eps for m in norms)
-
-
-def _latent_rows(config):
-    return slice(0, config.kv_lora_rank)
 
 
 def _rope_rows(config):
@@ -56,18 +45,11 @@ def _kv_b_rows(part: str):
     return rows
 
 
-_mla_inputs = (
-    Move(f"{A}.q_a_proj.weight", optional=True, when=_mla_norms_share_eps),
-    Move(f"{A}.q_a_proj.bias", optional=True, when=_mla_norms_share_eps),
-    Move(f"{A}.kv_a_proj_with_mqa.weight", select=(0, _latent_rows), when=_mla_norms_share_eps),
-    Move(f"{A}.kv_a_proj_with_mqa.bias", select=(0, _latent_rows), optional=True, when=_mla_norms_share_eps),
-)
-
 FAMILY = Family(
     name="deepseek",
     model_types=("deepseek_v2", "deepseek_v3"),
     groups=(
-        GroupSpec("residual", moe_residual(shared="shared_experts") + _mla_inputs, eps_power=2,
+        GroupSpec("residual", moe_residual(shared="shared_experts"), eps_power=2,
                   why="the residual stream and every write into it (dense, routed and shared experts' down_proj)"),
         GroupSpec("vo", (Move(f"{A}.kv_b_proj.weight", select=(0, _kv_b_rows("v"))), Move(f"{A}.o_proj.weight", -1)),
                   per_block=True, why="attention is linear in V: kv_b_proj's v rows x c, o_proj columns / c"),
@@ -82,6 +64,7 @@ FAMILY = Family(
         expert_up_down("moe_intermediate_size"),
     ),
     eps_attrs=("rms_norm_eps",),
+    fixed_eps_modules=("q_a_layernorm", "kv_a_layernorm"),
     unfixable="gate pre-activations of every expert and dense MLP (SiLU is not homogeneous); raw QK^T logits under "
               "eager attention. Fused experts run inside one module, so a scan sees their input and summed output, "
               "not each expert's gated product",

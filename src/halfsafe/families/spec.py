@@ -107,6 +107,10 @@ class Family:
     eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
     # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
     eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
+    # Norm modules (name suffixes) whose eps the modeling code fixes instead of reading the config (DeepSeek's
+    # MLA norms: 1e-6). A saved checkpoint cannot carry a moved eps for them, so it never moves, even where it
+    # equals the config's value; no group may move their inputs.
+    fixed_eps_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
     notes: str = ""
