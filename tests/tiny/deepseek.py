@@ -6,10 +6,10 @@ _MLA = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermedi
             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
             max_position_embeddings=128, attn_implementation="eager")
 
+# Tied heads (no released checkpoint has one): test_family_moe.py builds them from these configs.
 TINY = {
     # V2-Lite style: no q LoRA (q_proj), softmax routing, routed_scaling_factor 16 (DeepSeek-V2's).
     "deepseek_v2": lambda: DeepseekV2Config(**_MLA, q_lora_rank=None, routed_scaling_factor=16.0, tie_word_embeddings=False),
     # V3: q LoRA, sigmoid group-limited routing with the score-correction bias, interleaved RoPE.
     "deepseek_v3": lambda: DeepseekV3Config(**_MLA, q_lora_rank=24, n_group=2, topk_group=1, tie_word_embeddings=False),
-    "deepseek_v3-tied": lambda: DeepseekV3Config(**_MLA, q_lora_rank=24, n_group=2, topk_group=1, tie_word_embeddings=True),
 }

@@ -6,7 +6,7 @@ _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_interm
                max_position_embeddings=128, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
                attn_implementation="eager")
 
-# The tied head's move is the template Mixtral's tied key covers (families/mixtral.py moe_residual).
+# Tied heads (no released checkpoint has one): test_family_moe.py builds them from these configs.
 TINY = {
     "qwen2_moe": lambda: Qwen2MoeConfig(**_COMMON, tie_word_embeddings=False),
 }
