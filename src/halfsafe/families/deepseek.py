@@ -65,7 +65,6 @@ FAMILY = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     fixed_eps_modules=("q_a_layernorm", "kv_a_layernorm"),
-    unfixable="gate pre-activations of every expert and dense MLP (SiLU is not homogeneous); raw QK^T logits under "
-              "eager attention. Fused experts run inside one module, so a scan sees their input and summed output, "
-              "not each expert's gated product",
+    unfixable="gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs (SiLU is not "
+              "homogeneous); raw QK^T logits under eager attention",
 )

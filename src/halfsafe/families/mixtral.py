@@ -12,6 +12,8 @@ router that reads the normed x. transformers 5 stores every expert of a block in
 - vo, qk: as Llama.
 - expert_up_down, one group per expert of each block: its up rows of `gate_up_proj` x c, its slice of
   `down_proj` / c (silu(gate) * up is linear in up; the routing weight multiplies the expert's output).
+  The experts run inside one module; the scan (stats.expert_products) recomputes each expert's gate, up
+  and gated product ("mlp.experts:expert<e>"), so the plan sees and moves each expert on its own.
 """
 
 from __future__ import annotations
@@ -89,9 +91,8 @@ def moe_family(name: str, model_types: tuple[str, ...], intermediate: str, share
         model_types=model_types,
         groups=tuple(groups),
         eps_attrs=("rms_norm_eps",),
-        unfixable=unfixable or ("gate pre-activations of every expert and dense MLP (SiLU is not homogeneous); raw QK^T "
-                                "logits under eager attention. Fused experts run inside one module, so a scan sees "
-                                "their input and summed output, not each expert's gated product"),
+        unfixable=unfixable or ("gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs "
+                                "(SiLU is not homogeneous); raw QK^T logits under eager attention"),
     )
 
 
