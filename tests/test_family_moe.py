@@ -22,7 +22,7 @@ from halfsafe.groups import expand
 from halfsafe.loading import model_class_for
 from halfsafe.plan import constraints_from, solve
 from halfsafe.precision import cast_copy
-from halfsafe.probe import probe
+from halfsafe.probe import _passes, probe
 from halfsafe.rewrite import apply_exponents_
 from halfsafe.runtime import keep_residual_fp32
 from halfsafe.scan import scan
@@ -110,6 +110,8 @@ def test_one_expert_pair_moves_only_that_experts_slices():
     groups = expand(family, model)
     names = sorted(g.name for g in groups if g.spec == "expert_up_down")
     assert names == [f"expert_up_down@model.layers.{i}#{e}" for i in range(2) for e in range(4)]
+    # the probe scales every expert of every block in one pass: each expert's activations are its own sites
+    assert len(_passes([g for g in groups if g.spec == "expert_up_down"])) == 1
     params = dict(model.named_parameters())
     gu, down = params["model.layers.1.mlp.experts.gate_up_proj"], params["model.layers.1.mlp.experts.down_proj"]
     gu0, down0 = gu.detach().clone(), down.detach().clone()

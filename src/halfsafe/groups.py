@@ -46,6 +46,7 @@ class Group:
     # Every block a per-block group moves parameters in: its own and, with `{i+1}` templates, the next
     # one. Empty means just `block` (probe attributes measured activations to groups by these blocks).
     span: tuple[str, ...] = ()
+    expert: int | None = None  # a per_expert group's expert (its activations: stats sites "...:expert<e>")
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -165,7 +166,7 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
                 if spec.per_expert:
                     for e in range(_expert_count(family, spec, here, matched, i, model)):
                         tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model, e)) for m in here)
-                        groups.append(Group(f"{spec.name}@{block}#{e}", spec.name, block, tm, span=span))
+                        groups.append(Group(f"{spec.name}@{block}#{e}", spec.name, block, tm, span=span, expert=e))
                     continue
                 tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model)) for m in here)
                 groups.append(Group(f"{spec.name}@{block}", spec.name, block, tm, span=span))
