@@ -77,6 +77,8 @@ def clamp_residual_adds(model: nn.Module, limit: float = ONNX_CLAMP) -> ClampHan
     modules = dict(model.named_modules())
 
     def mark(module, args, out):
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):  # gpt-oss's MoE block: (out, scores)
+            return (out[0].as_subclass(cls), *out[1:])
         return out.as_subclass(cls) if isinstance(out, torch.Tensor) else out
 
     try:

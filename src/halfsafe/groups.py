@@ -48,6 +48,7 @@ class Group:
     span: tuple[str, ...] = ()
     # The eps this group moves, when not the family's shared one: (config field path, module name prefixes).
     eps_scope: tuple[str, tuple[str, ...]] | None = None
+    expert: int | None = None  # a per_expert group's expert (its activations: stats sites "...:expert<e>")
 
     @property
     def blocks(self) -> tuple[str, ...]:
@@ -103,14 +104,39 @@ def _check_last(move: Move, model: PreTrainedModel, template: str, index: int) -
         )
 
 
-def _resolve_select(move: Move, model: PreTrainedModel):
-    if move.select is None:
-        return None
-    dim, fn = move.select
-    index = fn(model.config)
-    if not isinstance(index, slice):
-        index = torch.as_tensor(index, dtype=torch.long)
-    return (dim, index)
+def _resolve_select(move: Move, model: PreTrainedModel, expert: int | None = None):
+    """(dim, index) for one part of a tensor; for one expert's part of a fused expert tensor, a tuple of
+    such pairs, the expert's own first: ((expert dim, slice(e, e + 1)), (dim, index))."""
+    part = None
+    if move.select is not None:
+        dim, fn = move.select
+        index = fn(model.config)
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long)
+        part = (dim, index)
+    if move.expert is None:
+        return part
+    own = (move.expert, slice(expert, expert + 1))
+    return (own,) if part is None else (own, part)
+
+
+def select_parts(select) -> tuple:
+    """A TensorMove's select as a tuple of (dim, index) pairs (empty: the whole tensor)."""
+    if select is None:
+        return ()
+    return (select,) if isinstance(select[0], int) else tuple(select)
+
+
+def _expert_count(family: Family, spec: GroupSpec, moves: list[Move], matched: dict, i: str, model: PreTrainedModel) -> int:
+    """How many experts the fused tensors of block i stack (every move of the group must agree)."""
+    params = dict(model.named_parameters())
+    sizes = {matched[m][i]: params[matched[m][i]].shape[m.expert] for m in moves}
+    if len(set(sizes.values())) != 1:
+        raise UnsupportedModelError(
+            f"family {family.name}, group {spec.name}: the expert tensors of block {i} stack different numbers of "
+            f"experts ({sizes}); this {type(model).__name__} is laid out differently from the family data"
+        )
+    return next(iter(sizes.values()))
 
 
 def expand(family: Family, model: PreTrainedModel) -> list[Group]:
@@ -142,9 +168,14 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
                 blocks = _successor_blocks(family, spec, blocks, following, matched)
             for i in blocks:
                 here = [m for m in moves if i in matched[m]]
-                tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model)) for m in here)
                 block = _block_prefix(own[0].param, model, i)
                 span = tuple(dict.fromkeys(_block_prefix(m.param, model, i) for m in here))
+                if spec.per_expert:
+                    for e in range(_expert_count(family, spec, here, matched, i, model)):
+                        tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model, e)) for m in here)
+                        groups.append(Group(f"{spec.name}@{block}#{e}", spec.name, block, tm, span=span, expert=e))
+                    continue
+                tm = tuple(TensorMove(matched[m][i], m.power, m.kind, _resolve_select(m, model)) for m in here)
                 groups.append(Group(f"{spec.name}@{block}", spec.name, block, tm, span=span))
         else:
             tm = tuple(TensorMove(name, m.power, m.kind, _resolve_select(m, model)) for m in moves for _, name in sorted(matched[m].items(), key=lambda kv: int(kv[0] or -1)))
@@ -207,17 +238,19 @@ def _successor_blocks(family: Family, spec: GroupSpec, blocks: list[str], follow
 
 def _check_disjoint_parts(family: Family, group: Group, shapes: dict) -> None:
     """Parts of one tensor selected within a group must not overlap (an overlap would move twice)."""
-    seen: dict[tuple[str, int], set[int]] = {}
+    # A part is a box: per dim, the indices it takes (None: all of them). Two boxes overlap where they
+    # share indices in every dim.
+    seen: dict[str, list[dict[int, set[int]]]] = {}
     for m in group.moves:
         if m.select is None:
             continue
-        dim, index = m.select
-        size = shapes[m.param][dim]
-        rows = set(range(*index.indices(size))) if isinstance(index, slice) else set(index.tolist())
-        taken = seen.setdefault((m.param, dim), set())
-        if rows & taken:
-            raise ValueError(f"family {family.name}, group {group.name}: parts of {m.param} selected twice overlap")
-        taken |= rows
+        shape = shapes[m.param]
+        box = {dim: set(range(*index.indices(shape[dim]))) if isinstance(index, slice) else set(index.tolist())
+               for dim, index in select_parts(m.select)}
+        for other in seen.setdefault(m.param, []):
+            if all(box[d] & other[d] for d in box.keys() & other.keys()):
+                raise ValueError(f"family {family.name}, group {group.name}: parts of {m.param} selected twice overlap")
+        seen[m.param].append(box)
 
 
 def _check_kinds(family: Family, groups: list[Group]) -> None:

@@ -12,8 +12,8 @@ import torch
 
 from .families import GAIN1P
 from .formats import FP16_MAX
-from .groups import Group
-from .rewrite import eps_exponent, scoped_eps_exponents, tensor_exponents
+from .groups import Group, select_parts
+from .rewrite import _index, _select_key, eps_exponent, scoped_eps_exponents, tensor_exponents
 from .stats import SiteStats
 
 FP16_MAX_BITS = math.log2(FP16_MAX)
@@ -41,18 +41,49 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         for name, s in sites.items()
         if s.abs_max > 0
     ]
-    weight_powers: dict[str, dict[str, float]] = {}
+    moves: dict[str, list[tuple[str, object]]] = {}  # param -> [(group, move)]
     for g in groups:
         for m in g.moves:
-            weight_powers.setdefault(m.param, {})
-            weight_powers[m.param][g.name] = weight_powers[m.param].get(g.name, 0) + m.power
-    for name, powers in weight_powers.items():
+            moves.setdefault(m.param, []).append((g.name, m))
+    for name, entries in moves.items():
         t = params[name].detach()
-        kind = next(m.kind for g in groups for m in g.moves if m.param == name)
-        peak = float((1 + t.double()).abs().max()) if kind == GAIN1P else float(t.abs().max())
-        if peak > 0:
-            out.append(Constraint(f"weight:{name}", math.log2(peak), {k: v for k, v in powers.items() if v}))
+        if all(m.select is None for _, m in entries):
+            out += _weight_constraint(f"weight:{name}", t, entries)
+            continue
+        # Moved in parts (a fused projection's rows, one expert's slice): each part's own peak, moved by the
+        # groups that move that part or the whole tensor (summing every part's exponent on the whole
+        # tensor's peak would let one expert's pair hold back all the others).
+        whole = [(g, m) for g, m in entries if m.select is None]
+        if whole:
+            out += _weight_constraint(f"weight:{name}", t, whole)
+        parts = list(dict.fromkeys(_select_key(m.select) for _, m in entries if m.select is not None))
+        for key in parts:
+            select = next(m.select for _, m in entries if _select_key(m.select) == key)
+            here = [(g, m) for g, m in entries if m.select is None or _overlap(m.select, select)]
+            out += _weight_constraint(f"weight:{name}[{_describe_select(select)}]", t[_index(t, select)], here)
     return out
+
+
+def _weight_constraint(site: str, t: torch.Tensor, entries: list) -> list[Constraint]:
+    powers: dict[str, float] = {}
+    for g, m in entries:
+        powers[g] = powers.get(g, 0) + m.power
+    kind = entries[0][1].kind
+    peak = float((1 + t.double()).abs().max()) if kind == GAIN1P else float(t.abs().max()) if t.numel() else 0.0
+    return [Constraint(site, math.log2(peak), {k: v for k, v in powers.items() if v})] if peak > 0 else []
+
+
+def _overlap(a, b) -> bool:
+    """Two parts of one tensor share an entry: in every dim both select, their indices meet."""
+    da = {d: _indices(i) for d, i in select_parts(a)}
+    db = {d: _indices(i) for d, i in select_parts(b)}
+    return all(da[d] & db[d] for d in da.keys() & db.keys())
+
+
+def _indices(index) -> set:
+    if isinstance(index, slice):
+        return set(range(index.start or 0, index.stop, index.step or 1))
+    return set(index.tolist())
 
 
 def predicted_log2(c: Constraint, exponents: dict[str, int]) -> float:
@@ -144,7 +175,5 @@ class Plan:
 def _describe_select(select) -> str | None:
     if select is None:
         return None
-    dim, index = select
-    if isinstance(index, slice):
-        return f"dim {dim} [{index.start}:{index.stop}]"
-    return f"dim {dim}, {len(index)} indices"
+    return ", ".join(f"dim {dim} [{index.start}:{index.stop}]" if isinstance(index, slice) else f"dim {dim}, {len(index)} indices"
+                     for dim, index in select_parts(select))

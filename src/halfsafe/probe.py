@@ -73,7 +73,7 @@ def probe(model: PreTrainedModel, family: Family, groups: list[Group], ids: torc
             owner = _owner(site, members)
             if owner is None:
                 raise UnsupportedModelError(
-                    f"family {family.name}, group {spec}: it moves {site}, outside the blocks it was declared in"
+                    f"family {family.name}, group {spec}: it moves {site}, outside the blocks (and experts) it was declared in"
                 )
             # A tensor only partly moved (a fused projection) may not move by a whole power: planning
             # counts on the part that does not move.
@@ -83,10 +83,11 @@ def probe(model: PreTrainedModel, family: Family, groups: list[Group], ids: torc
 
 def _passes(members: list[Group]) -> list[list[Group]]:
     """Split one spec's groups so that no two groups scaled together share a block. Groups inside one
-    block each (every pre-norm pair) all go in one pass; groups spanning blocks i and i+1 take two."""
+    block each (every pre-norm pair) all go in one pass; groups spanning blocks i and i+1 take two.
+    The experts of one block share it but not their sites ("...:expert<e>"): they go in one pass."""
     passes: list[tuple[set[str], list[Group]]] = []
     for g in members:
-        blocks = set(g.blocks)
+        blocks = {(b, g.expert) for b in g.blocks}
         for used, together in passes:
             if not blocks & used:
                 used |= blocks
@@ -100,8 +101,9 @@ def _passes(members: list[Group]) -> list[list[Group]]:
 def _owner(site: str, members: list[Group]) -> str | None:
     if len(members) == 1 and members[0].block is None:
         return members[0].name
-    module = site.rsplit(":", 1)[0]
-    for g in members:
-        if any(module == b or module.startswith(b + ".") for b in g.blocks):
-            return g.name
-    return None
+    module, kind = site.rsplit(":", 1)
+    found = [g for g in members if any(module == b or module.startswith(b + ".") for b in g.blocks)]
+    if any(g.expert is not None for g in found):  # one block's experts: the site names its expert, or no one owns it
+        found = [g for g in found if kind.split(".")[0] == f"expert{g.expert}"]
+        return found[0].name if len(found) == 1 else None
+    return found[0].name if found else None

@@ -13,7 +13,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .families import GAIN1P, MUL, Family
-from .groups import Group
+from .groups import Group, select_parts
 
 
 def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str, list[tuple[str, int, object]]]:
@@ -33,12 +33,18 @@ def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str
 def _select_key(select) -> object:
     if select is None:
         return None
-    dim, index = select
-    return (dim, (index.start, index.stop, index.step) if isinstance(index, slice) else tuple(index.tolist()))
+    parts = tuple((dim, (index.start, index.stop, index.step) if isinstance(index, slice) else tuple(index.tolist()))
+                  for dim, index in select_parts(select))
+    return parts[0] if len(parts) == 1 else parts
 
 
-def _index(dim: int, index) -> tuple:
-    return (slice(None),) * dim + (index,)
+def _index(t: torch.Tensor, select) -> tuple:
+    """An index for t[...] that takes the selected part: slices in every dim, at most one index list
+    (a fused expert tensor's part is its expert's slice times one slice or list of rows)."""
+    idx = [slice(None)] * t.dim()
+    for dim, index in select_parts(select):
+        idx[dim] = index
+    return tuple(idx)
 
 
 @torch.no_grad()
@@ -48,7 +54,7 @@ def scale_tensor_(t: torch.Tensor, kind: str, exponent: int, select=None) -> Non
         if select is None:
             t.mul_(s)
         else:
-            idx = _index(*select)
+            idx = _index(t, select)
             t[idx] = t[idx] * s
     elif kind == GAIN1P:
         t.copy_(((1.0 + t.double()) * s - 1.0).to(t.dtype))
@@ -100,6 +106,7 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tup
         _scale_scoped_eps(model, family, factor)
         return
     modules = _eps_modules(model, family)
+    fixed = {id(m) for n, m in model.named_modules() if family.fixed_eps_modules and n.endswith(family.fixed_eps_modules)}
     # The top config, its text config, and the copies some submodules keep (T5's encoder/decoder stacks).
     configs = [model.config, model.config.get_text_config()] + [m.config for m in modules if isinstance(getattr(m, "config", None), PretrainedConfig)]
     for config in {id(c): c for c in configs}.values():
@@ -109,6 +116,8 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tup
                 continue
             setattr(config, attr, old * factor)
             for module in modules:
+                if id(module) in fixed:
+                    continue
                 for mattr in family.eps_module_attrs:
                     if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
                         setattr(module, mattr, old * factor)

@@ -94,9 +94,9 @@ RESIDUAL_WRITERS = (
     ("attn.c_proj", "mlp.c_proj"),  # GPT-2
     ("attention.dense", "mlp.dense_4h_to_h"),  # GPT-NeoX (parallel or sequential residual)
     ("attention.output.dense", "output.dense"),  # BERT, RoBERTa (post-norm: LayerNorm(write + residual))
-    ("self_attn.out_proj", "mlp.fc2"),  # SigLIP encoder layer (T5Gemma 2's vision tower)
     ("attn.proj", "mlp.fc2"),  # Qwen2-VL vision block
     ("attn.proj", "mlp.down_proj"),  # Qwen2.5-VL vision block
+    ("self_attn.o_proj", "mlp"),  # MoE blocks (Mixtral, Qwen2/3-MoE, gpt-oss, DeepSeek): the whole MoE block's output
 )
 
 
@@ -144,8 +144,16 @@ class RuntimeHandle:
 
 
 def _is_matmul_module(m: nn.Module) -> bool:
-    """Modules that multiply their input by a weight matrix: nn.Linear and transformers' Conv1D (GPT-2)."""
-    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor))
+    """Modules that multiply their input by a weight matrix: nn.Linear, transformers' Conv1D (GPT-2), and the
+    MoE routers and fused experts (`...TopKRouter`, `...Experts`: F.linear / @ on their own parameters)."""
+    name = type(m).__name__
+    if name.endswith(("Experts", "TopKRouter", "TopkRouter")) and next(m.children(), None) is None:
+        return any(p.is_floating_point() for p in m.parameters(recurse=False))
+    return isinstance(m, nn.Linear) or (name == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
+def _param_dtype(m: nn.Module) -> torch.dtype:
+    return m.weight.dtype if isinstance(getattr(m, "weight", None), torch.Tensor) else next(m.parameters()).dtype
 
 
 def _cast_floats(obj, dtype: torch.dtype):
@@ -214,7 +222,7 @@ def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
             handle.add_hook(modules[block].register_forward_pre_hook(_block_input_to_fp32, with_kwargs=True))
         for name, m in model.named_modules():
             if _is_matmul_module(m):
-                handle.add_hook(m.register_forward_pre_hook(lambda mod, args: (_cast_floats(args[0], mod.weight.dtype), *args[1:])))
+                handle.add_hook(m.register_forward_pre_hook(lambda mod, args: (_cast_floats(args[0], _param_dtype(mod)), *args[1:])))
             elif isinstance(m, nn.LayerNorm):
                 m.forward = types.MethodType(_layer_norm_fp32, m)
                 handle.add(lambda m=m: m.__dict__.pop("forward", None))

@@ -2,6 +2,9 @@
 
 A *site* is one tensor the model computes: a module's output ("name:out") or, for leaf modules, the
 first input ("name:in", e.g. the gated product a down projection reads, or the residual a norm reads).
+Fused mixture-of-experts modules (transformers' `use_experts_implementation`: `gate_up_proj` [E, ...]
+and `_apply_gate`) run every expert inside one forward, so each expert's gated product, what its down
+projection reads, is recomputed from the module's input and recorded as "name:expert<e>".
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .formats import FP16_MAX, FP16_MIN_NORMAL
@@ -123,6 +127,8 @@ class ActivationCollector:
             if is_leaf:
                 self._handles.append(module.register_forward_pre_hook(self._pre_hook(name, module)))
             self._handles.append(module.register_forward_hook(self._hook(name, module)))
+            if is_fused_experts(module):
+                self._handles.append(module.register_forward_hook(self._experts_hook(name, module), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -154,3 +160,48 @@ class ActivationCollector:
             self._record(f"{name}:out", module, output)
 
         return hook
+
+    def _experts_hook(self, name: str, module: nn.Module):
+        def hook(mod, args, kwargs, output):
+            if self.stop_at_nonfinite:
+                return
+            for e, parts in expert_products(mod, args, kwargs):
+                for part, t in parts.items():
+                    self._record(f"{name}:expert{e}{part}", module, t)
+
+        return hook
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers fused-experts module: 3D `gate_up_proj` [E, ...] and the gate its forward applies."""
+    w = getattr(module, "gate_up_proj", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 3 and hasattr(module, "_apply_gate") and hasattr(module, "is_transposed")
+
+
+@torch.no_grad()
+def expert_products(module: nn.Module, args: tuple, kwargs: dict):
+    """(e, {"": gated product, ".gate": gate pre-activation, ".up": up pre-activation}) for every expert some
+    token was routed to, as the module's own forward computes them: forward(hidden_states [T, H], top-k
+    expert indices [T, k], routing weights); gate and up concatenated ([gate; up]) or interleaved."""
+    names = ("hidden_states", "top_k_index", "router_indices")
+    given = list(args) + [kwargs[n] for n in names if n in kwargs]
+    if len(given) < 2:
+        return
+    x, index = given[0], given[1]
+    w = module.gate_up_proj
+    bias = getattr(module, "gate_up_proj_bias", None) if getattr(module, "has_bias", False) else None
+    for e in index.unique().tolist():
+        if not 0 <= e < w.shape[0]:
+            continue  # the masked slot some implementations route to
+        xs = x[(index == e).any(-1)]
+        h = xs @ w[e] if module.is_transposed else F.linear(xs, w[e])
+        if bias is not None:
+            h = h + bias[e]
+        parts = {"": module._apply_gate(h)}
+        if not getattr(module, "has_gate", True):
+            parts[".up"] = h
+        elif getattr(module, "is_concatenated", True):
+            parts[".gate"], parts[".up"] = h.chunk(2, dim=-1)
+        else:
+            parts[".gate"], parts[".up"] = h[..., ::2], h[..., 1::2]
+        yield e, parts

@@ -12,6 +12,11 @@ holds at most one placeholder:
 - `{last}` (whole-model groups only): the last block of that list, i.e. the highest index the template
   matches, which must also be the last element of its ModuleList.
 groups.expand fails loudly when templates match different blocks (see there for the rules).
+
+Fused mixture-of-experts weights stack every expert of a block in one tensor (`experts.gate_up_proj`
+[E, 2I, H], `experts.down_proj` [E, H, I]). A `per_expert` group is a per-block group repeated for each
+expert e: every move names the dim its tensor stacks experts along (`Move.expert`), and takes expert e's
+slice there (and, with `select`, only part of that slice, e.g. the up rows of `gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -47,14 +52,17 @@ class Move:
     # Part of the tensor only: (dim, fn(config) -> slice or index list), e.g. the V rows of a fused QKV.
     select: tuple[int, Callable] | None = None
     when: Callable | None = None  # fn(model) -> bool: the move applies to this model (e.g. `tied_head`)
+    expert: int | None = None  # the dim the tensor stacks experts along (moves of a per_expert group)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Move {self.param}: kind must be one of {KINDS}, not {self.kind!r}")
         if self.power == 0:
             raise ValueError(f"Move {self.param}: power 0 moves nothing")
-        if self.kind == GAIN1P and self.select is not None:
+        if self.kind == GAIN1P and (self.select is not None or self.expert is not None):
             raise ValueError(f"Move {self.param}: a (1+w) gain moves whole")
+        if self.select is not None and self.expert is not None and self.select[0] == self.expert:
+            raise ValueError(f"Move {self.param}: select and expert name the same dim {self.expert}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class GroupSpec:
     # Empty: the family's eps_attrs, in every config and norm of the model that holds them.
     eps_field: str = ""
     eps_modules: tuple[str, ...] = ()
+    per_expert: bool = False  # per block, one group per expert (fused expert tensors; see the module doc)
 
     def __post_init__(self):
         for m in self.moves:
@@ -89,6 +98,10 @@ class GroupSpec:
             raise ValueError(f"group {self.name}: {{i+1}} only makes sense in a per-block group")
         if self.blocks is not None and not self.per_block:
             raise ValueError(f"group {self.name}: only a per-block group can be limited to some blocks")
+        if self.per_expert and not (self.per_block and all(m.expert is not None for m in self.moves)):
+            raise ValueError(f"group {self.name}: a per_expert group is per_block and every move names its expert dim")
+        if not self.per_expert and any(m.expert is not None for m in self.moves):
+            raise ValueError(f"group {self.name}: Move.expert only makes sense in a per_expert group")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
         if bool(self.eps_field) != bool(self.eps_modules) or (self.eps_field and not self.eps_power):
@@ -114,6 +127,10 @@ class Family:
     # Modules (named as templates name them, e.g. a vision tower "model.visual") whose norms keep their own eps
     # when eps_power moves the family's: a tower whose eps is not the language model's, though it may equal it.
     eps_skip_modules: tuple[str, ...] = ()
+    # Norm modules (name suffixes) whose eps the modeling code fixes instead of reading the config (DeepSeek's
+    # MLA norms: 1e-6). A saved checkpoint cannot carry a moved eps for them, so it never moves, even where it
+    # equals the config's value; no group may move their inputs.
+    fixed_eps_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
     notes: str = ""
@@ -135,3 +152,16 @@ def tied_head(model) -> bool:
 
 def untied_head(model) -> bool:
     return not tied_head(model)
+
+
+def has_param(template: str) -> Callable:
+    """fn(model) -> bool: some parameter matches `template` (one `{i}` at most). For groups that exist only
+    in some models of a family, e.g. the dense MLP pair of a model whose blocks are all mixture-of-experts."""
+    rx = re.compile("^" + re.escape(template).replace(re.escape(BLOCK), r"\d+") + "$")
+
+    def check(model) -> bool:
+        prefix = f"{model.base_model_prefix}."
+        bare = getattr(model, "base_model", None) is model
+        return any(rx.match(prefix + n if bare else n) for n, _ in model.named_parameters())
+
+    return check

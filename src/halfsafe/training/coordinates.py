@@ -35,7 +35,7 @@ from torch import nn
 
 from ..families import GAIN1P, MUL, Family, family_for
 from ..groups import Group, expand
-from ..rewrite import _select_key, apply_exponents_, move_eps_, tensor_exponents
+from ..rewrite import _index, _select_key, apply_exponents_, eps_exponent, move_eps_, scale_eps_, tensor_exponents
 
 
 def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -195,8 +195,7 @@ def _scale(t: torch.Tensor, exponent: int, select) -> None:
     if select is None:
         t.mul_(s)
     else:
-        dim, index = select
-        idx = (slice(None),) * dim + (index,)
+        idx = _index(t, select)
         t[idx] = t[idx] * s
 
 

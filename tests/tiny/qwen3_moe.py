@@ -1,0 +1,11 @@
+from transformers import Qwen3MoeConfig
+
+# Layer 0 dense (mlp_only_layers), layer 1 MoE.
+_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128, num_experts=4,
+               num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0], attn_implementation="eager")
+
+# Tied heads (no released checkpoint has one): test_family_moe.py builds them from these configs.
+TINY = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_COMMON, tie_word_embeddings=False),
+}
