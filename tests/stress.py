@@ -28,6 +28,8 @@ COL = "col"  # an embedding [vocab, hidden] or a GPT-2 Conv1D [in, hidden]: colu
 ROW = "row"  # a Linear [hidden, in]: row c, and its bias[c]
 GAIN = "gain"  # a norm gain x*w (LayerNorm, T5/Llama RMSNorm): w[c], and the norm's bias[c]
 GAIN1P = "gain1p"  # a Gemma x*(1+w) gain: (1+w[c]) amplified
+EXPERT_ROW = "expert_row"  # fused expert down projections [experts, hidden, in]: hidden row c of every expert
+EXPERT_COL = "expert_col"  # gpt-oss stores them [experts, in, hidden]: column c, and the bias [experts, hidden]
 FEED = "feed"  # what a writer reads (up_proj, v_proj, fc1, wi): the whole tensor, so the writer's input grows
 READ = "read"  # a post-norm model's query/key read the amplified stream directly: columns c shrink by the same
 # factor, as trained models keep attention logits moderate on their massive (attention-sink) channels
@@ -48,6 +50,9 @@ _GLM4 = [(r"\.post_self_attn_layernorm\.weight", GAIN), (r"\.post_mlp_layernorm\
          (r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.down_proj\.weight", ROW)]
 _T5GEMMA = [(_LM + r"\.post_(self|cross)_attn_layernorm\.weight$", GAIN1P), (_LM + r"\.post_feedforward_layernorm\.weight$", GAIN1P),
             (_LM + r"\.(self_attn|cross_attn)\.o_proj\.weight$", ROW), (_LM + r"\.mlp\.down_proj\.weight$", ROW)]
+_MOE = [(r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.experts\.down_proj$", EXPERT_ROW),
+        (r"\.mlp\.shared_experts?\.down_proj\.weight", ROW), (r"\.mlp\.down_proj\.weight", ROW),
+        (r"\.self_attn\.v_proj\.weight", FEED), (r"\.mlp\.(shared_experts?\.)?up_proj\.weight", FEED)]
 _T5 = [(r"\.SelfAttention\.o\.weight", ROW), (r"\.EncDecAttention\.o\.weight", ROW),
        (r"\.DenseReluDense\.wo\.weight", ROW), (r"\.DenseReluDense\.wi(_1)?\.weight", FEED),
        (r"\.SelfAttention\.v\.weight", FEED), (r"\.EncDecAttention\.v\.weight", FEED)]
@@ -69,6 +74,9 @@ WRITERS: dict[str, list[tuple[str, str]]] = {
     "t5": _T5, "mt5": _T5, "umt5": _T5,
     "longt5": _T5 + [(r"\.(LocalSelfAttention|TransientGlobalSelfAttention)\.o\.weight", ROW),
                      (r"\.(LocalSelfAttention|TransientGlobalSelfAttention)\.v\.weight", FEED)],
+    "mixtral": _MOE, "qwen2_moe": _MOE, "qwen3_moe": _MOE, "deepseek_v2": _MOE, "deepseek_v3": _MOE,
+    "gpt_oss": [(r"\.self_attn\.o_proj\.weight", ROW), (r"\.mlp\.experts\.down_proj$", EXPERT_COL),
+                (r"\.self_attn\.v_proj\.weight", FEED)],
     "glm4": _GLM4, "qwen2_vl": _LM_DECODER, "qwen2_5_vl": _LM_DECODER, "t5gemma": _T5GEMMA, "t5gemma2": _T5GEMMA,
     "pegasus": [(r"\.self_attn\.out_proj\.weight", ROW), (r"\.encoder_attn\.out_proj\.weight", ROW),
                 (r"\.fc2\.weight", ROW), (r"\.fc1\.weight", FEED), (r"\.v_proj\.weight", FEED)],
@@ -113,6 +121,13 @@ def _amplify(model: nn.Module, writers: list[tuple[str, str]], log2_factor: floa
                 bias[c] *= f
         elif kind == GAIN1P:
             p[c] = (1 + p[c]) * f - 1
+        elif kind == EXPERT_ROW:
+            p[:, c] *= f
+        elif kind == EXPERT_COL:
+            p[:, :, c] *= f
+            bias = params.get(name + "_bias")
+            if bias is not None:
+                bias[:, c] *= f
         elif kind == READ:
             p[:, c] /= 2.0 ** log2_factor
         elif kind in (FEED, FEED_LAST):
