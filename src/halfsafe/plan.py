@@ -105,21 +105,23 @@ class Plan:
     headroom_bits: float
     tensors: list[dict] = field(default_factory=list)  # every touched tensor with its exponent
     eps_exponent: int = 0
+    context_length: int | None = None  # the longest context `headroom_bits` was chosen for (halfsafe.margin)
 
     @classmethod
-    def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float) -> "Plan":
+    def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float,
+              context_length: int | None = None) -> "Plan":
         exps = {k: int(v) for k, v in exponents.items() if v}
         tensors = [
             {"param": p, "kind": kind, "exponent": e, "part": _describe_select(select)}
             for p, entries in tensor_exponents(groups, exps).items()
             for kind, e, select in entries
         ]
-        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps))
+        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps), context_length)
 
     def inverse(self) -> "Plan":
         inv = {k: -v for k, v in self.exponents.items()}
         tensors = [dict(t, exponent=-t["exponent"]) for t in self.tensors]
-        return Plan(self.family, self.model_type, inv, self.headroom_bits, tensors, -self.eps_exponent)
+        return Plan(self.family, self.model_type, inv, self.headroom_bits, tensors, -self.eps_exponent, self.context_length)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,7 +129,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         return cls(d["family"], d["model_type"], {k: int(v) for k, v in d["exponents"].items()}, float(d["headroom_bits"]),
-                   d.get("tensors", []), int(d.get("eps_exponent", 0)))
+                   d.get("tensors", []), int(d.get("eps_exponent", 0)), d.get("context_length"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
