@@ -146,3 +146,10 @@ def test_halfsafe_json_and_model_card_state_context_and_margin(tmp_path):
     assert f"margin: {expected:.2f} bits under 65504, made for contexts up to 4096 tokens" in card
     cands = info["candidates"]
     assert any("keeps_margin" in c and "headroom_bits" in c for c in cands)
+
+
+@pytest.mark.parametrize("option, match", [({"max_context": 0}, "--max-context"), ({"long_sample": 1}, "--long-sample"),
+                                           ({"headroom_bits": -1}, "--headroom-bits")])
+def test_bad_margin_options_fail_before_loading(tmp_path, option, match):
+    with pytest.raises(HalfsafeError, match=match):
+        convert_checkpoint(str(tmp_path / "no-such-model"), str(tmp_path / "out"), **option)

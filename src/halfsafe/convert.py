@@ -15,7 +15,7 @@ from .families import GAIN1P, Family, family_for
 from .formats import FP16_MAX, FP16_MIN_NORMAL
 from .forward import logits as forward_logits
 from .groups import Group, expand
-from .margin import Margin, choose_margin
+from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
 from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve
 from .precision import cast_copy
@@ -301,6 +301,9 @@ def convert_checkpoint(
     from .loading import load_model
 
     check_out_dir(out, overwrite)  # fail before the slow part
+    check_options(max_context, headroom_bits)
+    if long_sample is not None and long_sample < 2:
+        raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
     loaded = load_model(source)
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
     vocab = loaded.model.config.get_text_config().vocab_size
