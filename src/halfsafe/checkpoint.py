@@ -184,7 +184,8 @@ def _write_card(path: Path, info: dict) -> None:
         f"- residual-stream scale: 2^{res}" if res is not None else "- no residual-stream scale (per-norm scales)",
         f"- tensors rescaled: {len(plan.get('tensors', []))}; norm eps moved by 2^{plan.get('eps_exponent', 0)}"
         + "".join(f"; {k} by 2^{v}" for k, v in plan.get("eps_fields", {}).items()),
-        f"- headroom target: {plan.get('headroom_bits')} bits under 65504",
+        f"- margin: {plan.get('headroom_bits'):.2f} bits under 65504, made for contexts up to {plan.get('context_length')} tokens"
+        + (f" ({info['margin']['rule']})" if info.get("margin") else ""),
         f"- activation peak before: {info.get('peak_before', float('nan')):.4g}",
         f"- check on calibration text: fp16 finite = {info.get('fp16_finite_on_calibration')}, "
         f"fp32 output change = {info.get('fp32_output_change', float('nan')):.2e}",

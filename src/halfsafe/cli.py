@@ -64,6 +64,7 @@ def cmd_convert(args) -> int:
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
+        max_context=args.max_context, long_sample=args.long_sample,
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
@@ -179,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p)
-    p.add_argument("--headroom-bits", type=float, default=2.0, help="keep every movable activation this many bits under 65504 (default 2)")
+    p.add_argument("--max-context", type=int, metavar="N", help="make the margin for contexts up to N tokens (default: the model's longest)")
+    p.add_argument("--headroom-bits", type=float, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
+    p.add_argument("--long-sample", type=int, metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")

@@ -13,8 +13,9 @@ from .calibration import default_text, make_samples
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import GAIN1P, Family, family_for
 from .formats import FP16_MAX, FP16_MIN_NORMAL
-from .forward import logits as forward_logits, prefix
+from .forward import logits as forward_logits, prefix, sample_tokens
 from .groups import Group, expand
+from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
 from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve
 from .precision import cast_copy
@@ -25,6 +26,7 @@ from .scan import ScanReport, scan
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 32
 EVAL_TOKENS = 128  # fp16 forward passes on CPU are slow; candidates are ranked on this prefix
+CANDIDATES_ABOVE = 2  # residual scales tried above the largest one that keeps the margin (see keeps_margin)
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Candidate:
     kl: float  # mean KL(fp32 original || fp16 rescaled) per token on the evaluation prefix
     top1: float
     finite: bool
+    headroom_bits: float = math.nan  # bits under 65504 left on the tightest movable peak (calibration)
+    keeps_margin: bool = True  # only candidates that keep the margin are run and may be chosen
 
     @property
     def residual_exponent(self) -> int:
@@ -51,6 +55,7 @@ class ConversionReport:
     fp32_output_change: float  # relative max change of fp32 logits (exactness, should be ~1e-7)
     fp16_finite: bool
     notes: list[str] = field(default_factory=list)
+    margin: Margin | None = None
 
     @property
     def chosen(self) -> Candidate:
@@ -62,6 +67,7 @@ class ConversionReport:
     def to_dict(self) -> dict:
         return {
             "plan": self.plan.to_dict(),
+            "margin": self.margin.to_dict() if self.margin else None,
             "peaks_before": {l.name: l.residual_peak for l in self.scan_before.layers},
             "peaks_after": dict(self.layers_after),
             "peak_before": self.scan_before.peak.abs_max,
@@ -102,17 +108,46 @@ def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
     return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
 
 
-def candidate_exponents(groups, constraints, headroom_bits, n: int) -> list[dict[str, int]]:
-    """The plan with the largest exponents, then the residual scale one and two steps lower: larger
-    scales keep (1+w) gains exact in fp16, smaller ones add headroom; the measurement decides."""
+def candidate_exponents(groups, constraints, headroom_bits, n: int, above: int = CANDIDATES_ABOVE) -> list[dict[str, int]]:
+    """The plan with the largest exponents that keep the margin (`headroom_bits`), the residual scale up to
+    `above` steps larger and n-1 steps smaller (other groups solved again for each): larger scales keep
+    Gemma's (1+w) gains finer in fp16, smaller ones add headroom. `keeps_margin` says which may be chosen;
+    the measured fp16 KL decides among those."""
     best = solve(groups, constraints, headroom_bits)
     out = [best]
     if "residual" in best:
-        for d in range(1, n):
-            cand = solve(groups, constraints, headroom_bits, fixed={"residual": best["residual"] - d})
+        for d in [*range(above, 0, -1), *range(-1, -n, -1)]:
+            r = best["residual"] + d
+            if r > 0:
+                continue  # never scale up
+            cand = solve(groups, constraints, headroom_bits, fixed={"residual": r})
             if cand not in out:
                 out.append(cand)
-    return out
+    return sorted(out, key=lambda e: -e.get("residual", 0))
+
+
+def keeps_margin(constraints: list[Constraint], exps: dict[str, int], reference: dict[str, int], headroom_bits: float) -> tuple[bool, float]:
+    """The margin rule: a candidate keeps the margin when every movable peak that the solver's plan
+    (`reference`, solved for `headroom_bits`) keeps `headroom_bits` under 65504 stays there too, and no
+    peak the solver could not bring there gets larger. Returns (kept, bits left on the tightest such peak)."""
+    limit = FP16_MAX_BITS - headroom_bits
+    kept, left = True, math.inf
+    for c in constraints:
+        if not c.powers:
+            continue  # nothing moves it: reported as unfixable or tight, the same for every candidate
+        p, ref = predicted_log2(c, exps), predicted_log2(c, reference)
+        if ref <= limit + 1e-9:
+            kept &= p <= limit + 1e-9
+            left = min(left, FP16_MAX_BITS - p)
+        else:
+            kept &= p <= ref + 1e-9
+    return kept, left
+
+
+def choose_candidate(tried: list[Candidate]) -> Candidate:
+    """The least fp16 KL among candidates that keep the margin and ran finite (ties: more headroom)."""
+    valid = [c for c in tried if c.keeps_margin and c.finite] or [c for c in tried if c.keeps_margin] or tried
+    return min(valid, key=lambda c: (c.kl, -c.headroom_bits))
 
 
 def storage_error(t: torch.Tensor, chunk: int = 1 << 22) -> dict:
@@ -151,26 +186,36 @@ def plan_fp16_safe(
     model: PreTrainedModel,
     samples: list[torch.Tensor] | None = None,
     tokenizer=None,
-    headroom_bits: float = 2.0,
+    headroom_bits: float | None = None,
     allow_unfixable: bool = False,
     candidates: int = 3,
     progress: bool = True,
     scan_report: ScanReport | None = None,
+    max_context: int | None = None,
 ) -> ConversionReport:
     """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
-    `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both)."""
+    `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both). The margin kept under 65504
+    is made for `max_context` tokens (default: the model's longest context) by `halfsafe.margin`'s rule;
+    `headroom_bits` sets it instead."""
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     if samples is None:
         samples = default_samples(model, tokenizer)
     report = scan_report or scan(model, samples, progress=progress)
+    margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
+    headroom_bits = margin.bits
     governed = probe(model, family, groups, prefix(samples[0], PROBE_TOKENS))
     constraints = constraints_from(report.sites, governed, groups, dict(model.named_parameters()))
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
-    tried = [evaluate_candidate(model, family, groups, e, eval_ids, ref) for e in candidate_exponents(groups, constraints, headroom_bits, candidates)]
-    valid = [c for c in tried if c.finite] or tried
-    chosen = min(valid, key=lambda c: (c.kl, -c.residual_exponent))
+    reference = solve(groups, constraints, headroom_bits)
+    tried = []
+    for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
+        kept, left = keeps_margin(constraints, e, reference, headroom_bits)
+        c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
+        c.headroom_bits, c.keeps_margin = left, kept
+        tried.append(c)
+    chosen = choose_candidate(tried)
     unfixable, tight = _problems(constraints, chosen.exponents, headroom_bits)
     if not chosen.finite and not unfixable and not allow_unfixable:
         # every measured tensor fits, yet fp16 overflows: inside a computation no module hook sees
@@ -186,7 +231,7 @@ def plan_fp16_safe(
             f"{worst}; {family.unfixable or 'see the family notes'}. Pass --allow-unfixable to convert anyway"
         )
     return ConversionReport(
-        plan=Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits),
+        plan=Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits, margin.context_length),
         scan_before=report,
         layers_after=_layers_after(report, constraints, chosen.exponents),
         unfixable=unfixable,
@@ -195,6 +240,7 @@ def plan_fp16_safe(
         storage=[],
         fp32_output_change=math.nan,
         fp16_finite=chosen.finite,
+        margin=margin,
     )
 
 
@@ -248,22 +294,31 @@ def convert_checkpoint(
     texts: list[str] | None = None,
     seq_len: int = 512,
     max_samples: int | None = 8,
-    headroom_bits: float = 2.0,
+    headroom_bits: float | None = None,
     allow_unfixable: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    max_context: int | None = None,
+    long_sample: int | None = None,
 ) -> ConversionReport:
-    """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`."""
-    from .calibration import read_texts
+    """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
+    also calibrate on one sample of that many tokens (the embedded text repeated)."""
+    from .calibration import long_sample_ids, read_texts
     from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
     from .loading import load_model
 
     check_out_dir(out, overwrite)  # fail before the slow part
+    check_options(max_context, headroom_bits)
+    if long_sample is not None and long_sample < 2:
+        raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
     loaded = load_model(source)
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
     check_out_dir(out, overwrite, output_bytes(loaded.model))  # and a disk too small for the output
     vocab = loaded.model.config.get_text_config().vocab_size
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
-    report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress)
+    if long_sample:
+        samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
+    report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
+                            max_context=max_context)
     save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite)
     return report

@@ -58,14 +58,21 @@ def formats_table(formats: list[FormatInfo], console: Console) -> None:
 def conversion_tables(report: ConversionReport, console: Console) -> None:
     plan = report.plan
     cands = Table(title=f"Candidate plans ({plan.family}), ranked by fp16 KL to fp32 on a calibration prefix", title_justify="left")
-    for col in ("residual scale", "other groups moved", "KL(fp32 || fp16)", "top-1 agreement", "finite", "chosen"):
+    for col in ("residual scale", "other groups moved", "headroom (bits)", "KL(fp32 || fp16)", "top-1 agreement", "finite", "chosen"):
         cands.add_column(col, justify="right")
     for c in report.candidates:
         others = sum(1 for k, v in c.exponents.items() if k != "residual" and v)
         res = c.exponents.get("residual")
-        cands.add_row(f"2^{res}" if res is not None else "-", str(others), f"{c.kl:.3e}", f"{c.top1:.2%}",
+        if not c.keeps_margin:
+            cands.add_row(f"2^{res}" if res is not None else "-", str(others), f"{c.headroom_bits:.2f}", "not run: below the margin", "", "", "")
+            continue
+        cands.add_row(f"2^{res}" if res is not None else "-", str(others), f"{c.headroom_bits:.2f}", f"{c.kl:.3e}", f"{c.top1:.2%}",
                       "yes" if c.finite else "[red]no[/]", "[green]<-[/]" if report.is_chosen(c) else "")
     console.print(cands)
+    if report.margin is not None:
+        m = report.margin
+        console.print(f"margin: {m.bits:.2f} bits under 65504, made for contexts up to {m.context_length} tokens "
+                      f"(calibrated on samples of up to {m.calibrated_tokens} tokens; {m.rule})")
     layers = Table(title="Residual stream per layer, before and after (predicted from the plan)", title_justify="left")
     for col in ("layer", "before", "after", "headroom after (bits)"):
         layers.add_column(col, justify="right" if col != "layer" else "left")

@@ -80,6 +80,11 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
     return {"input_ids": ids, "decoder_input_ids": decoder_ids, **extra}
 
 
+def sample_tokens(sample: torch.Tensor | Mapping) -> int:
+    """Text tokens in one sample (a [1, n] id tensor, or a dict sample's input_ids)."""
+    return (sample["input_ids"] if isinstance(sample, Mapping) else sample).shape[-1]
+
+
 def prefix(sample: torch.Tensor | dict, n: int) -> torch.Tensor | dict:
     """The first n tokens of a sample; a dict sample (text with image inputs) whole, since its image tokens
     must stay with their pixels."""

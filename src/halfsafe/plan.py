@@ -137,9 +137,11 @@ class Plan:
     tensors: list[dict] = field(default_factory=list)  # every touched tensor with its exponent
     eps_exponent: int = 0
     eps_fields: dict[str, int] = field(default_factory=dict)  # eps of their own (a tower's): config field -> exponent
+    context_length: int | None = None  # the longest context `headroom_bits` was chosen for (halfsafe.margin)
 
     @classmethod
-    def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float) -> "Plan":
+    def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float,
+              context_length: int | None = None) -> "Plan":
         exps = {k: int(v) for k, v in exponents.items() if v}
         tensors = [
             {"param": p, "kind": kind, "exponent": e, "part": _describe_select(select)}
@@ -147,13 +149,13 @@ class Plan:
             for kind, e, select in entries
         ]
         fields = {scope[0]: e for scope, e in scoped_eps_exponents(groups, exps).items()}
-        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps), fields)
+        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps), fields, context_length)
 
     def inverse(self) -> "Plan":
         inv = {k: -v for k, v in self.exponents.items()}
         tensors = [dict(t, exponent=-t["exponent"]) for t in self.tensors]
         return Plan(self.family, self.model_type, inv, self.headroom_bits, tensors, -self.eps_exponent,
-                    {k: -v for k, v in self.eps_fields.items()})
+                    {k: -v for k, v in self.eps_fields.items()}, self.context_length)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,7 +163,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         return cls(d["family"], d["model_type"], {k: int(v) for k, v in d["exponents"].items()}, float(d["headroom_bits"]),
-                   d.get("tensors", []), int(d.get("eps_exponent", 0)), {k: int(v) for k, v in d.get("eps_fields", {}).items()})
+                   d.get("tensors", []), int(d.get("eps_exponent", 0)), {k: int(v) for k, v in d.get("eps_fields", {}).items()},
+                   d.get("context_length"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -68,3 +68,16 @@ def make_samples(
     if not samples:
         raise HalfsafeError("the calibration text produced no tokens: pass --text with a longer file")
     return samples
+
+
+def long_sample_ids(tokenizer, vocab_size: int, n_tokens: int) -> torch.Tensor:
+    """One [1, n_tokens] sample for calibrating long contexts, without a long text file: BOS (when the
+    tokenizer has one), then the embedded calibration text repeated (never the held-out text)."""
+    if n_tokens < 2:
+        raise HalfsafeError(f"--long-sample {n_tokens} is too short: use at least 2 tokens")
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    head = [bos] if bos is not None else []
+    base = encode(default_text(), tokenizer, vocab_size)
+    body = n_tokens - len(head)
+    ids = head + (base * (body // len(base) + 1))[:body]
+    return torch.tensor([ids])
