@@ -61,6 +61,10 @@ def cmd_convert(args) -> int:
     from .display import conversion_tables
     from .plots import plot_layer_peaks
 
+    if args.to == "onnx":
+        from .export.onnx import require_onnx
+
+        require_onnx()  # fail before the slow part
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
@@ -68,6 +72,10 @@ def cmd_convert(args) -> int:
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
+    if args.to == "onnx":
+        from .export.onnx import add_onnx
+
+        console.print(f"wrote {add_onnx(args.out).path} (fp16 ONNX)")
     if args.plot:
         plot_layer_peaks(
             {"before": [l.residual_peak for l in report.scan_before.layers], "after (fp16 checkpoint)": [v for _, v in report.layers_after]},
@@ -162,6 +170,16 @@ def cmd_verify(args) -> int:
             console.print(f"wrote {path}")
     return 0
 
+
+def cmd_export(args) -> int:
+    from .export.onnx import export_onnx
+
+    report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan)  # warns if not converted
+    console.print(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfsafe", description="Make bf16-pretrained models fp16-safe by exact power-of-two rescaling.")
     parser.add_argument("--version", action="version", version=f"halfsafe {__version__}")
@@ -186,7 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
+    p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("export", help="export a converted checkpoint to another runtime's format (fp16 ONNX)")
+    p.add_argument("format", choices=("onnx",), help="onnx: fp16 ONNX for ONNX Runtime / transformers.js (onnx/model_fp16.onnx)")
+    p.add_argument("converted", help="the folder `halfsafe convert` wrote")
+    p.add_argument("out", help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
     p.add_argument("--out", help="where to write the converted checkpoint (default: in the halfsafe cache; replaced)")

@@ -1,0 +1,462 @@
+"""fp16 ONNX of a converted checkpoint, for ONNX Runtime and transformers.js: no Clip nodes, no fp32 islands added.
+
+The exporter is transformers' own `transformers.exporters.OnnxExporter` (torch.export, then torch.onnx's dynamo
+exporter and onnxscript's optimizer), run on the model loaded all-fp16, so the graph computes exactly what
+PyTorch computes in fp16: fp16 weights and activations, and the fp32 casts the modeling code itself makes
+(Gemma's RMSNorm). optimum's ONNX exporter (optimum-onnx 0.1) needs transformers < 4.58, so it is not used.
+
+halfsafe's glue: sample inputs with a KV cache and dynamic batch / sequence / past axes; graph inputs and
+outputs renamed to the names ONNX Runtime GenAI-style and transformers.js decoders use
+(`input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.key|value` -> `logits`, `present.{i}.key|value`);
+the file layout of a transformers.js model (config, generation config, tokenizer, `onnx/model_fp16.onnx`);
+checks (no Clip nodes, fp16 weights); and small runners for ONNX Runtime and onnx's reference evaluator
+(which, unlike ONNX Runtime's CPU provider, computes fp16 ops in fp16).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import HalfsafeError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+EXPORTER = "transformers' OnnxExporter (torch.onnx dynamo)"
+ONNX_FILE = "onnx/model_fp16.onnx"
+EXTERNAL_DATA_SUFFIX = "_data"  # transformers.js names a model's external weights `<file>.onnx_data`
+INLINE_LIMIT = 1_800_000_000  # protobuf holds at most 2 GiB: larger weights go to the external data file
+_SKIP = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.gguf")
+_CACHE_NAME = re.compile(r"^(?:input\.|output\.)?(?:cache|past_key_values)\.layers\.(\d+)\.(keys|values)$")
+
+
+@dataclass
+class OnnxExportReport:
+    path: str  # the .onnx file
+    converted: bool  # the source carries halfsafe.json
+    warning: str | None
+    model_type: str
+    inputs: list[str]
+    outputs: list[str]
+    clip_nodes: int
+    initializer_dtypes: dict[str, int]  # dtype -> count
+    fp16_weight_bytes: int
+    file_bytes: int  # .onnx plus external data
+    external_data: bool
+    exporter: str = EXPORTER
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def require_onnx() -> None:
+    try:
+        import onnx  # noqa: F401
+        import onnx_ir  # noqa: F401
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise HalfsafeError(f"the ONNX export needs {e.name}: pip install 'halfsafe[onnx]'") from None
+
+
+def versions() -> dict[str, str]:
+    import onnx
+    import onnxscript
+    import transformers
+
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__}
+    try:
+        import onnxruntime
+
+        out["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_source(source: str | Path) -> Path:
+    folder = Path(source).expanduser()
+    if not folder.exists():
+        raise HalfsafeError(f"{source} does not exist: give the folder `halfsafe convert` wrote")
+    if not folder.is_dir():
+        raise HalfsafeError(f"{source} is not a folder: give the folder `halfsafe convert` wrote (config.json + *.safetensors)")
+    return folder
+
+
+def check_exportable(config) -> None:
+    """Only decoder-only text generation (a causal LM with a KV cache) is exported."""
+    from transformers import AutoModelForCausalLM
+
+    from ..loading import model_class_for
+
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{model_type} is an encoder-decoder model: the ONNX export ({EXPORTER}) here covers decoder-only text generation only"
+        )
+    cls = model_class_for(config)
+    if cls not in AutoModelForCausalLM._model_mapping.values():
+        raise UnsupportedModelError(
+            f"{model_type} ({cls.__name__}) is not a causal LM: the ONNX export ({EXPORTER}) here covers decoder-only text generation only"
+        )
+
+
+def not_converted_warning(folder: Path) -> str | None:
+    """The line to warn with when `folder` was not written by `halfsafe convert` (no halfsafe.json)."""
+    if (folder / "halfsafe.json").is_file():
+        return None
+    return (
+        f"{folder} has no halfsafe.json: it was not converted by halfsafe, so its fp16 ONNX may overflow (inf/NaN); "
+        f"`halfsafe scan {folder} --fp16-check` reports its peaks against 65504, `halfsafe convert` fixes them"
+    )
+
+
+def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
+    """What `halfsafe scan` reports for `folder`, in one line (a short scan of the embedded text)."""
+    from ..calibration import make_samples, read_texts
+    from ..loading import load_model
+    from ..scan import scan
+
+    loaded = load_model(folder)
+    samples = make_samples(read_texts(None), loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, seq_len, max_samples)
+    report = scan(loaded.model, samples, progress=False, name=str(folder))
+    peak = report.peak
+    verdict = "fits in" if report.fp16_safe else "overflows"
+    return f"`halfsafe scan` ({report.n_tokens} tokens): largest |activation| {peak.abs_max:.4g} at {peak.name}, {verdict} fp16's 65504"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_fp16(folder: Path):
+    """The checkpoint in `folder` as an all-fp16 causal LM (no module kept in fp32), eval mode."""
+    from ..loading import _quiet_transformers, read_config
+    from ..runtime import load_pure_fp16
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(folder)
+    check_exportable(config)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
+    with _quiet_transformers():
+        model = load_pure_fp16(AutoModelForCausalLM, folder, local_files_only=True)
+    return model.eval()
+
+
+def _kv_shape(config) -> tuple[int, int, int]:
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, kv_heads, head_dim
+
+
+def sample_inputs(model, batch: int = 2, past: int = 3, new: int = 2) -> tuple[dict, dict]:
+    """Forward kwargs for one decode step with a KV cache, and their dynamic axes.
+
+    The cache holds every position for every layer (a plain DynamicCache, no per-layer sliding window): sliding
+    layers are masked by position, so present = past + new for all layers, as transformers.js expects.
+    """
+    from torch.export import Dim
+    from transformers import DynamicCache
+
+    layers, kv_heads, head_dim = _kv_shape(model.config)
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    cache = DynamicCache()
+    for i in range(layers):
+        k = torch.randn(batch, kv_heads, past, head_dim, generator=g).to(dtype)
+        v = torch.randn(batch, kv_heads, past, head_dim, generator=g).to(dtype)
+        cache.update(k, v, i)
+    vocab = model.config.get_text_config().vocab_size
+    inputs = {
+        "input_ids": torch.randint(0, vocab, (batch, new), generator=g),
+        "attention_mask": torch.ones(batch, past + new, dtype=torch.long),
+        "position_ids": torch.arange(past, past + new).expand(batch, new).contiguous(),
+        "cache": cache,
+        "use_cache": True,
+    }
+    # Dim.AUTO on the axes that vary: torch.export infers that the mask spans past + new itself.
+    auto = {0: Dim.AUTO, 1: Dim.AUTO}
+    shapes = {"input_ids": auto, "attention_mask": auto, "position_ids": auto, "cache": [{0: Dim.AUTO, 2: Dim.AUTO}] * (2 * layers)}
+    return inputs, shapes
+
+
+def _rename_io(graph) -> None:
+    for value in list(graph.inputs) + list(graph.outputs):
+        m = _CACHE_NAME.match(value.name)
+        if m:
+            kind = "key" if m.group(2) == "keys" else "value"
+            prefix = "present" if value in graph.outputs else "past_key_values"
+            value.name = f"{prefix}.{m.group(1)}.{kind}"
+    names = [v.name for v in graph.inputs] + [v.name for v in graph.outputs]
+    expected = re.compile(r"^(input_ids|attention_mask|position_ids|logits|(past_key_values|present)\.\d+\.(key|value))$")
+    odd = [n for n in names if not expected.match(n)]
+    if odd:
+        raise HalfsafeError(f"unexpected graph inputs/outputs from {EXPORTER}: {odd[:4]} (please report this)")
+
+
+def export_program(model):
+    """The fp16 ONNX graph (an `onnx_ir.Model`) of a causal LM, with a KV cache and transformers.js I/O names."""
+    require_onnx()
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    from ..loading import _first_line, _quiet_transformers
+
+    inputs, shapes = sample_inputs(model)
+    config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
+    try:
+        with _quiet_transformers(), torch.no_grad():
+            exported = OnnxExporter().export(model, inputs, config)
+    except HalfsafeError:
+        raise
+    except Exception as e:  # the exporter fails in many ways on an architecture it cannot trace
+        raise UnsupportedModelError(
+            f"{EXPORTER} could not export {model.config.model_type} ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+    program = exported.program
+    _rename_io(program.graph)
+    return program
+
+
+def save_program(program, path: Path) -> None:
+    """Save inline when the weights fit in one protobuf, else beside it as `<file>_data` (transformers.js's name)."""
+    import onnx_ir
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weight_bytes = sum(v.const_value.nbytes for v in program.graph.initializers.values() if v.const_value is not None)
+    if weight_bytes < INLINE_LIMIT:
+        onnx_ir.save(program, str(path))
+    else:
+        onnx_ir.save(program, str(path), external_data=path.name + EXTERNAL_DATA_SUFFIX)
+
+
+def inspect_file(path: Path) -> dict:
+    """Clip nodes, initializer dtypes and sizes of a saved ONNX file."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    dtypes: dict[str, int] = {}
+    fp16_bytes = 0
+    for init in model.graph.initializer:
+        name = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).name
+        dtypes[name] = dtypes.get(name, 0) + 1
+        if init.data_type == onnx.TensorProto.FLOAT16:
+            n = int(np.prod(init.dims)) if init.dims else 1
+            fp16_bytes += 2 * n
+    ext = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
+    return {
+        "inputs": [i.name for i in model.graph.input],
+        "outputs": [o.name for o in model.graph.output],
+        "clip_nodes": sum(n.op_type == "Clip" for n in model.graph.node),
+        "initializer_dtypes": dtypes,
+        "fp16_weight_bytes": fp16_bytes,
+        "file_bytes": path.stat().st_size + (ext.stat().st_size if ext.exists() else 0),
+        "external_data": ext.exists(),
+    }
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """Config, generation config, tokenizer, halfsafe.json, card and legal text: everything but the weights."""
+    for f in src.iterdir():
+        if f.is_file() and not any(f.match(p) for p in _SKIP):
+            shutil.copy2(f, dst / f.name)
+
+
+def _mark_config(folder: Path, external: bool) -> None:
+    """transformers.js reads its loading options from config.json: this export is fp16."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["transformers.js_config"] = {"dtype": "fp16", **({"use_external_data_format": True} if external else {})}
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
+    """Export `model` (all-fp16) into `folder/onnx/model_fp16.onnx`; copy `source`'s side files if given."""
+    program = export_program(model)
+    path = folder / ONNX_FILE
+    save_program(program, path)
+    if source is not None:
+        _copy_side_files(source, folder)
+    if (folder / "config.json").is_file():
+        _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
+    return path
+
+
+def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False) -> OnnxExportReport:
+    """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder."""
+    from ..checkpoint import atomic_folder, check_out_dir
+
+    folder = check_source(source)
+    out = check_out_dir(out, overwrite)
+    require_onnx()
+    warning = not_converted_warning(folder)
+    if warning and scan:
+        warning += "; " + scan_summary(folder)
+    if warning:
+        log.warning(warning)  # before the slow part
+    model = load_fp16(folder)
+    with atomic_folder(out) as tmp:
+        write_onnx(model, tmp, source=folder)
+    return report_for(out / ONNX_FILE, model.config.model_type, converted=warning is None, warning=warning)
+
+
+def add_onnx(folder: str | Path) -> OnnxExportReport:
+    """`halfsafe convert --to onnx`: add `onnx/model_fp16.onnx` to a converted checkpoint folder, beside its weights
+    (the layout of a model repository that serves both transformers and transformers.js)."""
+    from ..checkpoint import atomic_folder
+
+    folder = check_source(folder)
+    require_onnx()
+    model = load_fp16(folder)
+    program = export_program(model)
+    onnx_dir = folder / Path(ONNX_FILE).parent
+    with atomic_folder(onnx_dir) as tmp:
+        save_program(program, tmp / Path(ONNX_FILE).name)
+    path = folder / ONNX_FILE
+    _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
+    warning = not_converted_warning(folder)
+    return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
+
+
+def report_for(path: Path, model_type: str, converted: bool, warning: str | None = None) -> OnnxExportReport:
+    info = inspect_file(path)
+    return OnnxExportReport(path=str(path), converted=converted, warning=warning, model_type=model_type, versions=versions(), **info)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running the exported graph: ONNX Runtime (fast; its CPU provider computes fp16 ops in fp32) and onnx's
+# reference evaluator (slow; numpy in the tensors' own dtype, so fp16 stays fp16 and overflows as it would on an
+# fp16 GPU / NPU).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class OnnxDecoder:
+    """A decoder graph with the I/O `export_program` writes. backend: "ort" (ONNX Runtime, CPU) or "reference"."""
+
+    def __init__(self, model, backend: str = "ort") -> None:
+        import onnx
+
+        self.backend = backend
+        proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+        self.input_names = [i.name for i in proto.graph.input]
+        self.output_names = [o.name for o in proto.graph.output]
+        self.layers = sum(n.startswith("past_key_values.") and n.endswith(".key") for n in self.input_names)
+        cache_in = next(i for i in proto.graph.input if i.name == "past_key_values.0.key")
+        dims = cache_in.type.tensor_type.shape.dim
+        self.kv_heads, self.head_dim = dims[1].dim_value, dims[3].dim_value
+        self.dtype = onnx.helper.tensor_dtype_to_np_dtype(cache_in.type.tensor_type.elem_type)
+        if backend == "ort":
+            import onnxruntime as ort
+
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            data = proto.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+            self._session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        elif backend == "reference":
+            from onnx.reference import ReferenceEvaluator
+
+            self._session = ReferenceEvaluator(proto)
+        else:
+            raise ValueError(f"backend must be 'ort' or 'reference', not {backend!r}")
+
+    def empty_cache(self, batch: int) -> list[np.ndarray]:
+        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), self.dtype) for _ in range(2 * self.layers)]
+
+    def step(self, ids: np.ndarray, cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One forward pass of `ids` [batch, new] after `cache`; returns logits [batch, new, vocab] and the new cache."""
+        ids = np.asarray(ids, dtype=np.int64)
+        batch, new = ids.shape
+        past = cache[0].shape[2]
+        feed = {
+            "input_ids": ids,
+            "attention_mask": np.ones((batch, past + new), np.int64),
+            "position_ids": np.broadcast_to(np.arange(past, past + new, dtype=np.int64), (batch, new)).copy(),
+        }
+        for i in range(self.layers):
+            feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = cache[2 * i], cache[2 * i + 1]
+        feed = {k: v for k, v in feed.items() if k in self.input_names}
+        outs = dict(zip(self.output_names, self._session.run(None, feed)))
+        present = [outs[f"present.{i}.{kind}"] for i in range(self.layers) for kind in ("key", "value")]
+        return outs["logits"], present
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits of a whole sequence in one pass (empty cache), [batch, seq, vocab]."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return self.step(ids, self.empty_cache(ids.shape[0]))[0]
+
+    def greedy(self, ids, new_tokens: int) -> list[int]:
+        """Greedy tokens after `ids` [1, seq] with the KV cache: prefill once, then one token per step."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        logits, cache = self.step(ids, self.empty_cache(1))
+        out = []
+        for _ in range(new_tokens):
+            token = int(np.argmax(logits[0, -1].astype(np.float32)))
+            out.append(token)
+            logits, cache = self.step(np.array([[token]], np.int64), cache)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The clamp baseline: a Clip after each residual Add, as the published fp16 ONNX exports of Gemma 3 have
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _scopes(node) -> list[str]:
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            import ast
+
+            return ast.literal_eval(p.value)
+    return []
+
+
+def residual_adds(proto, blocks: list[str]) -> list:
+    """The Add nodes computed directly in a block's forward (not in a submodule): the residual adds.
+    `blocks` are the block module names (`halfsafe.layers.find_blocks(model)`)."""
+    blocks = set(blocks)
+    out = []
+    for node in proto.graph.node:
+        scopes = _scopes(node)
+        if node.op_type == "Add" and len(scopes) >= 2 and scopes[-2] in blocks:
+            out.append(node)
+    return out
+
+
+def add_residual_clamps(proto, blocks: list[str], limit: float = 32752.0):
+    """A copy of `proto` with `Clip(-limit, limit)` after every residual add (see `residual_adds`)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    proto = onnx.ModelProto.FromString(proto.SerializeToString())
+    adds = {n.name for n in residual_adds(proto, blocks)}
+    if not adds:
+        raise HalfsafeError("no residual adds found in the graph: cannot build the clamp baseline")
+    dtype = np.float16
+    lo, hi = "halfsafe_clip_min", "halfsafe_clip_max"
+    proto.graph.initializer.extend([numpy_helper.from_array(np.array(-limit, dtype), lo), numpy_helper.from_array(np.array(limit, dtype), hi)])
+    nodes = list(proto.graph.node)
+    new_nodes = []
+    for node in nodes:
+        new_nodes.append(node)
+        if node.name in adds:
+            raw = node.output[0]
+            node.output[0] = raw + "_unclipped"
+            new_nodes.append(helper.make_node("Clip", [node.output[0], lo, hi], [raw], name=node.name + "_clip"))
+    del proto.graph.node[:]
+    proto.graph.node.extend(new_nodes)
+    return proto

@@ -1,0 +1,211 @@
+"""`halfsafe export onnx` / `convert --to onnx`: an fp16 ONNX graph of the converted checkpoint, checked for real.
+
+Tiny random models blown past fp16's range (as in test_families), saved as bf16 checkpoints, converted with
+halfsafe, then exported. ONNX Runtime's CPU provider computes fp16 ops in fp32, so overflow is checked with
+onnx's reference evaluator, which computes fp16 ops in fp16 (numpy).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import onnx  # noqa: E402
+
+from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
+from halfsafe.cli import main  # noqa: E402
+from halfsafe.convert import convert_checkpoint  # noqa: E402
+from halfsafe.errors import UnsupportedModelError  # noqa: E402
+from halfsafe.export.onnx import (  # noqa: E402
+    ONNX_FILE,
+    OnnxDecoder,
+    add_residual_clamps,
+    export_onnx,
+    inspect_file,
+    residual_adds,
+)
+from halfsafe.families import family_for  # noqa: E402
+from halfsafe.groups import expand  # noqa: E402
+from halfsafe.layers import find_blocks  # noqa: E402
+from halfsafe.metrics import mean_kl  # noqa: E402
+from halfsafe.probe import probe  # noqa: E402
+from halfsafe.rewrite import apply_exponents_  # noqa: E402
+from halfsafe.scan import scan  # noqa: E402
+from tiny import make_tiny, save_tiny, tiny_ids  # noqa: E402
+
+GREEDY = 24  # tokens generated with the KV cache (past the tiny Gemma 3's sliding window of 8)
+
+
+def _stress_folder(key: str, folder):
+    """A tiny model whose residual stream is blown up to ~4x 65504 by an exact rescale, saved in bf16."""
+    model = make_tiny(key, untie=True)
+    ids = tiny_ids(model, length=16)
+    family = family_for(model.config.model_type)
+    groups = expand(family, model)
+    modules = dict(model.named_modules())
+    moved = probe(model, family, groups, ids)
+    residual = {g.name for g in groups if g.block is None or any(
+        s.endswith(":in") and "norm" in type(modules[s.rsplit(":", 1)[0]]).__name__.lower() for s in moved[g.name])}
+    peak = max(layer.residual_peak for layer in scan(model, [ids], progress=False).layers)
+    apply_exponents_(model, family, groups, {g: math.ceil(math.log2(4 * 65504 / peak)) for g in residual})
+    model.to(torch.bfloat16).save_pretrained(folder)
+    return model.float()
+
+
+def _heldout_ids(model, n: int = 32) -> torch.Tensor:
+    return make_samples([heldout_text()], None, model.config.vocab_size, n, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """Original (blown up, not converted) and converted tiny Gemma 3, each exported to fp16 ONNX."""
+    root = tmp_path_factory.mktemp("gemma3")
+    model = _stress_folder("gemma3_text", root / "original")
+    convert_checkpoint(str(root / "original"), str(root / "converted"), seq_len=64, max_samples=4, progress=False)
+    reports = {"original": export_onnx(root / "original", root / "original-onnx"),
+               "converted": export_onnx(root / "converted", root / "converted-onnx")}
+    return root, model, reports
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A blown-up tiny Llama converted and exported in one command: `halfsafe convert --to onnx`."""
+    root = tmp_path_factory.mktemp("llama")
+    model = _stress_folder("llama", root / "original")
+    assert main(["convert", str(root / "original"), str(root / "converted"), "--seq-len", "64", "--max-samples", "4", "--to", "onnx"]) == 0
+    return root, model
+
+
+def test_layout_no_clip_fp16_weights_kv_cache(gemma3, llama):
+    for folder in (gemma3[0] / "converted-onnx", llama[0] / "converted"):
+        path = folder / ONNX_FILE
+        info = inspect_file(path)
+        assert info["clip_nodes"] == 0
+        config = json.loads((folder / "config.json").read_text())
+        assert config["transformers.js_config"]["dtype"] == "fp16"
+        assert (folder / "halfsafe.json").is_file() and (folder / "generation_config.json").is_file()
+        layers = config["num_hidden_layers"]
+        assert info["inputs"] == ["input_ids", "attention_mask", "position_ids",
+                                  *[f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]]
+        assert info["outputs"] == ["logits", *[f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]]
+        proto = onnx.load(str(path))
+        mats = [i for i in proto.graph.initializer if len(i.dims) == 2]
+        assert mats and all(i.data_type == onnx.TensorProto.FLOAT16 for i in mats)  # every weight matrix is fp16
+        assert proto.graph.input[3].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16  # fp16 KV cache
+    assert not any((gemma3[0] / "converted-onnx").glob("*.safetensors"))  # export onnx: no torch weights
+    assert any((llama[0] / "converted").glob("*.safetensors"))  # convert --to onnx: both, side by side
+
+
+@pytest.mark.parametrize("which", ["gemma3", "llama"])
+def test_ort_greedy_matches_transformers_fp32(which, request):
+    root, *_ = request.getfixturevalue(which)
+    folder = root / ("converted-onnx" if which == "gemma3" else "converted")
+    from transformers import AutoModelForCausalLM
+
+    fp32 = AutoModelForCausalLM.from_pretrained(root / "converted", dtype=torch.float32).eval()
+    ids = _heldout_ids(fp32, 16)
+    with torch.no_grad():
+        want = fp32.generate(ids, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False)[0, ids.shape[1]:].tolist()
+    got = OnnxDecoder(folder / ONNX_FILE).greedy(ids, GREEDY)
+    assert got == want
+
+
+def test_true_fp16_original_overflows_converted_matches_pytorch_fp16(gemma3):
+    root, model, _ = gemma3
+    ids = _heldout_ids(model, 32)
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        ref = model(ids).logits.double()  # the blown-up original in fp32: the reference
+        conv16 = AutoModelForCausalLM.from_pretrained(root / "converted", dtype=torch.float16).eval()
+        torch_kl = mean_kl(ref, conv16(ids).logits.double())
+    original = OnnxDecoder(root / "original-onnx" / ONNX_FILE, backend="reference").logits(ids)
+    assert not np.isfinite(original).all()
+    converted = OnnxDecoder(root / "converted-onnx" / ONNX_FILE, backend="reference").logits(ids)
+    assert converted.dtype == np.float16 and np.isfinite(converted).all()
+    kl = mean_kl(ref, torch.from_numpy(converted).double())
+    # measured: ONNX fp16 (reference evaluator) 2.5e-8, PyTorch fp16 2.2e-8, ORT 7.4e-9, bf16 1.2e-6 nats/token
+    assert kl < 3 * torch_kl + 1e-9, (kl, torch_kl)
+    # ORT (fp32 arithmetic inside) agrees too
+    ort = OnnxDecoder(root / "converted-onnx" / ONNX_FILE).logits(ids)
+    assert mean_kl(ref, torch.from_numpy(ort).double()) < 3 * torch_kl + 1e-9
+
+
+def test_clamped_baseline_is_finite_but_wrong(gemma3):
+    root, model, _ = gemma3
+    ids = _heldout_ids(model, 32)
+    proto = onnx.load(str(root / "original-onnx" / ONNX_FILE))
+    blocks = find_blocks(model)
+    assert len(residual_adds(proto, blocks)) == 2 * len(blocks)
+    clamped = add_residual_clamps(proto, blocks)
+    assert sum(n.op_type == "Clip" for n in clamped.graph.node) == 2 * len(blocks)
+    logits = OnnxDecoder(clamped, backend="reference").logits(ids)
+    assert np.isfinite(logits).all()
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+    kl = mean_kl(ref, torch.from_numpy(logits).double())
+    assert kl > 1e-3, kl  # measured 2.2e-2 (converted: 2.5e-8): clamping changes the function
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*args, **kwargs):
+    raise _Stop
+
+
+def test_unconverted_folder_warns(gemma3, caplog, monkeypatch, tmp_path):
+    root, _, reports = gemma3
+    assert reports["converted"].warning is None and reports["converted"].converted
+    assert "no halfsafe.json" in reports["original"].warning and not reports["original"].converted
+    # the warning comes before the slow export; stop there
+    import halfsafe.export.onnx as mod
+
+    monkeypatch.setattr(mod, "load_fp16", _stop)
+    with caplog.at_level(logging.WARNING), pytest.raises(_Stop):
+        export_onnx(root / "original", tmp_path / "warned", scan=True)
+    text = caplog.text
+    assert "no halfsafe.json" in text and "may overflow" in text and "halfsafe scan" in text
+    assert "overflows fp16's 65504" in text  # --scan: what scan reports, on the blown-up original
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(_Stop):
+        export_onnx(root / "converted", tmp_path / "quiet", scan=True)
+    assert "halfsafe.json" not in caplog.text
+
+
+def test_bad_input(tmp_path, gemma3, capsys, monkeypatch):
+    root, *_ = gemma3
+    assert main(["export", "onnx", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["export", "onnx", str(root / "converted"), str(root / "converted-onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err
+    save_tiny("t5", tmp_path / "t5")
+    with pytest.raises(UnsupportedModelError, match="OnnxExporter"):
+        export_onnx(tmp_path / "t5", tmp_path / "t5-onnx")
+    save_tiny("bert", tmp_path / "bert")  # BertForMaskedLM: no text generation
+    assert main(["export", "onnx", str(tmp_path / "bert"), str(tmp_path / "bert-onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "OnnxExporter" in err and "not a causal LM" in err
+    # an architecture the exporter fails on: one line naming the exporter, no OUT left behind
+    from transformers.exporters import OnnxExporter
+
+    def fail(*a, **k):
+        raise RuntimeError("Cannot trace data-dependent control flow\n  (a long traceback follows)")
+
+    monkeypatch.setattr(OnnxExporter, "export", fail)
+    assert main(["export", "onnx", str(root / "converted"), str(tmp_path / "fails")]) == 2
+    err = capsys.readouterr().err
+    assert "OnnxExporter (torch.onnx dynamo) could not export gemma3_text (RuntimeError: Cannot trace" in " ".join(err.split())
+    assert "traceback" not in err
+    assert not any(tmp_path.glob("*onnx")) and not (tmp_path / "fails").exists()
