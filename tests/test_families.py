@@ -12,7 +12,7 @@ import torch
 from halfsafe.convert import make_fp16_safe
 from halfsafe.families import REGISTRY, family_for
 from halfsafe.forward import logits
-from halfsafe.groups import expand
+from halfsafe.groups import expand, select_parts
 from halfsafe.metrics import mean_kl
 from halfsafe.precision import cast_copy
 from halfsafe.probe import probe
@@ -23,7 +23,7 @@ from tiny import TINY, make_tiny, tiny_ids
 
 KEYS = sorted(TINY)
 EXACT_CHANGE = 1e-6  # measured 0 on every family but pegasus
-FIXED_EPS_CHANGE = 1e-2  # pegasus: 3.0e-3 measured (fixed LayerNorm eps)
+FIXED_EPS_CHANGE = 3e-3  # pegasus: 5.7e-4 measured (fixed LayerNorm eps)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -69,21 +69,23 @@ def _check_moved_as_declared(model, groups, exps, before) -> None:
     kinds: dict[str, str] = {}
     for g in groups:
         for m in g.moves:
-            rows = None if m.select is None else (m.select[0], tuple(range(*m.select[1].indices(before[m.param].shape[m.select[0]])))
-                                                   if isinstance(m.select[1], slice) else tuple(m.select[1].tolist()))
-            total[(m.param, rows)] = total.get((m.param, rows), 0) + exps[g.name] * m.power
+            parts = select_parts(m.select)
+            key = tuple((dim, tuple(range(*index.indices(before[m.param].shape[dim]))) if isinstance(index, slice)
+                         else tuple(torch.as_tensor(index).reshape(-1).tolist())) for dim, index in parts)
+            total[(m.param, key)] = total.get((m.param, key), 0) + exps[g.name] * m.power
             kinds[m.param] = m.kind
     after = dict(model.named_parameters())
     expected = {n: t.clone() for n, t in before.items()}
-    for (name, rows), e in total.items():
+    for (name, key), e in total.items():
         if kinds[name] == "gain1p":
             expected[name] = ((1 + before[name].double()) * 2.0 ** e - 1).float()
-        elif rows is None:
-            expected[name] = before[name] * 2.0 ** e
-        else:
-            dim, index = rows
-            idx = (slice(None),) * dim + (list(index),)
-            expected[name][idx] = before[name][idx] * 2.0 ** e
+            continue
+        idx = [slice(None)] * before[name].dim()
+        for dim, index in key:  # one index list per dim: an outer product of rows, as torch.meshgrid would make
+            idx[dim] = torch.tensor(index)
+        grids = torch.meshgrid(*[i if isinstance(i, torch.Tensor) else torch.arange(before[name].shape[d])
+                                 for d, i in enumerate(idx)], indexing="ij")
+        expected[name][grids] = expected[name][grids] * 2.0 ** e  # parts moved by several groups compose exactly
     moved = {n for n, _ in total}
     assert moved, "the family data matched nothing"
     for n, p in after.items():
@@ -131,10 +133,10 @@ def test_plan_then_inverse_restores_weights_bit_for_bit(key):
 
 
 # Measured exceptions to "10x closer to fp32 than bf16" (ratio bf16 KL / halfsafe KL on this test's inputs):
-# pegasus 1.4 (its LayerNorm eps is fixed in code, so the 2^-5 residual scale moves every norm by eps / s**2;
-# the fp32 output itself changes by 3e-3); gemma 7.4 and t5 6.4 (the tiny models' ordinary channels are ~0.02,
-# so a 2^-7 / 2^-8 residual scale puts them near fp16's subnormal range, 6.1e-5; real checkpoints' are O(1)).
-BELOW_10X = {"pegasus": FIXED_EPS, "gemma": "ordinary channels near fp16 subnormals (measured 7.4x)",
+# gemma 8.6 and t5 6.4 (the tiny models' ordinary channels are ~0.02, so a 2^-6 residual scale puts them near
+# fp16's subnormal range, 6.1e-5; real checkpoints' are O(1)); gemma4_text-moe 5.2 (cause not established).
+# pegasus reaches 14.3 though its fixed LayerNorm eps moves its fp32 output by 5.7e-4.
+BELOW_10X = {"gemma": "ordinary channels near fp16 subnormals (measured 8.6x)",
              "t5": "ordinary channels near fp16 subnormals (measured 6.4x)",
              "gemma4_text-moe": "MoE blocks: measured 5.2x, cause not established (expert choices near ties?)"}
 

@@ -93,7 +93,8 @@ def test_verify_api_end_to_end_on_a_tiny_model(tiny_pair, tmp_path):
     assert conv.nonfinite_logits == 0 and conv.kl_mean <= bf16.kl_mean / 10, (conv.kl_mean, bf16.kl_mean)
     for r in report.results:
         assert r.variant.custom_runtime == (r.name in (CLAMP, FP32_RESIDUAL, HALFSAFE_FP32_RESIDUAL))
-    assert report.result(FP16).parameter_bytes * 2 == report.result(REFERENCE).parameter_bytes
+    # half the bytes, less the rotary frequencies that stay float32 (as from_pretrained keeps them)
+    assert report.result(FP16).parameter_bytes * 2 == pytest.approx(report.result(REFERENCE).parameter_bytes, abs=1024)
     _check_json(report.to_dict(), list(ALL_VARIANTS))
     _check_pngs(write_plots(report, tmp_path / "v.png"))
     table = markdown_table(report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 from torch import nn
@@ -21,17 +22,28 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     (`copy.deepcopy(model).half()` would first duplicate the whole float32 model).
     """
     memo: dict[int, object] = {}
-    for p in model.parameters():
+    strict = _strict_fp32(model)
+    for name, p in model.named_parameters():
         if id(p) not in memo:
-            memo[id(p)] = nn.Parameter(_cast(p, dtype), requires_grad=p.requires_grad)
+            keep = p.dtype == torch.float32 and strict is not None and strict.search(name)
+            memo[id(p)] = nn.Parameter(p.detach().clone() if keep else _cast(p, dtype), requires_grad=p.requires_grad)
     for name, b in model.named_buffers():
         if id(b) not in memo:
-            keep = name.endswith(KEEP_FP32_BUFFERS) and b.dtype == torch.float32
+            keep = b.dtype == torch.float32 and (name.endswith(KEEP_FP32_BUFFERS) or (strict is not None and strict.search(name)))
             memo[id(b)] = b.detach().clone() if keep else _cast(b, dtype)
     clone = copy.deepcopy(model, memo)
     if hasattr(clone, "config"):
         clone.config.dtype = dtype
     return clone
+
+
+def _strict_fp32(model: nn.Module):
+    """What transformers keeps in float32 under any load dtype (`_keep_in_fp32_modules_strict`: DeepSeek's router
+    weights and score bias), as one pattern over parameter names; None where the model names nothing."""
+    names = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    if not names:
+        return None
+    return re.compile("|".join(rf"(^|\.){re.escape(n)}($|\.)" for n in names))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
