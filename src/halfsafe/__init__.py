@@ -8,7 +8,15 @@ from .families import family_for, supported_model_types  # noqa: E402
 from .loading import load_model  # noqa: E402
 from .plan import Plan  # noqa: E402
 from .scan import ScanReport, scan  # noqa: E402
-from .training.callback import HeadroomCallback  # noqa: E402
+
+
+def __getattr__(name):  # HeadroomCallback imports transformers' Trainer machinery: only when asked for
+    if name == "HeadroomCallback":
+        from .training.callback import HeadroomCallback
+
+        return HeadroomCallback
+    raise AttributeError(f"module 'halfsafe' has no attribute {name!r}")
+
 
 __all__ = [
     "ConversionReport", "HalfsafeError", "HeadroomCallback", "Plan", "ScanReport", "UnfixableOverflowError", "UnsupportedModelError",

@@ -98,7 +98,7 @@ def cmd_demo(args) -> int:
     out = Path(args.out) if args.out else cache_dir() / "demo" / f"{DEFAULT_MODEL}-fp16"
     console.rule(f"1/3  halfsafe scan {DEFAULT_MODEL}")
     loaded = load_model(DEFAULT_MODEL)
-    samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.vocab_size, 512, 8)
+    samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, 512, 8)
     scan_tables(scan(loaded.model, samples, fp16_check=True, name=DEFAULT_MODEL), console, top=6)
     del loaded
     console.rule(f"2/3  halfsafe convert {DEFAULT_MODEL} {out}")

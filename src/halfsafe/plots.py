@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure  # a Figure draws to files without pyplot, so the caller's backend is left alone
 
-matplotlib.use("Agg")  # files only, no screen needed
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .formats import FP16_MAX  # noqa: E402
+from .formats import FP16_MAX
 
 
 def plot_layer_peaks(series: dict[str, list[float]], path: str | Path, title: str = "") -> Path:
     """One line per series (e.g. 'before', 'after'), layer index on x, abs max on a log y axis."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    ax = fig.subplots()
     for label, peaks in series.items():
         ax.plot(range(len(peaks)), peaks, marker="o", ms=3, label=label)
     ax.axhline(FP16_MAX, color="crimson", ls="--", lw=1.2, label="float16 max (65504)")
@@ -28,7 +26,6 @@ def plot_layer_peaks(series: dict[str, list[float]], path: str | Path, title: st
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
@@ -36,7 +33,8 @@ def plot_bars(values: dict[str, float], path: str | Path, ylabel: str, title: st
     """A bar per variant (e.g. KL to fp32 per precision variant)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    ax = fig.subplots()
     names = list(values)
     ax.bar(names, [values[n] for n in names], color="steelblue")
     if log:
@@ -47,5 +45,4 @@ def plot_bars(values: dict[str, float], path: str | Path, ylabel: str, title: st
     ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path
