@@ -85,6 +85,25 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_apply(args) -> int:
+    from .calibration import read_texts
+    from .convert import apply_checkpoint
+
+    plan, after = apply_checkpoint(args.plan, args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len,
+                                   max_samples=args.max_samples, overwrite=args.overwrite)
+    peak = after.peak
+    console.print(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
+    if after.fp16_safe and after.first_nonfinite_fp16 is None:
+        kept = "keeps" if peak.headroom_bits >= plan.headroom_bits else "does NOT keep"
+        console.print(f"fp16-safe on the check text: peak {peak.abs_max:.4g} at {peak.name}, {peak.headroom_bits:.2f} bits "
+                      f"under 65504 ({kept} the plan's {plan.headroom_bits:.2f}-bit margin)")
+        return 0
+    console.print(f"[red]not fp16-safe[/]: peak {peak.abs_max:.4g} at {peak.name}"
+                  + (f", first non-finite fp16 module {after.first_nonfinite_fp16}" if after.first_nonfinite_fp16 else "")
+                  + f"; this checkpoint's activations outgrew the plan: run `halfsafe convert {args.model} OUT` instead")
+    return 1
+
+
 def cmd_demo(args) -> int:
     """scan -> convert -> verify on the built-in Gemma 3 270M, each step's table printed."""
     from .calibration import default_text, make_samples
@@ -215,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("apply", help="re-apply a saved plan to another checkpoint of the same architecture (e.g. a fine-tune)")
+    p.add_argument("plan", help="plan.json, a converted folder's halfsafe.json, or the converted folder")
+    p.add_argument("model", help="model folder (same architecture and sizes as the plan's)")
+    p.add_argument("out", help="output folder (must not exist unless --overwrite)")
+    _add_text_args(p, seq_len=256, max_samples=2)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
     p.add_argument("--out", help="where to write the converted checkpoint (default: in the halfsafe cache; replaced)")

@@ -17,7 +17,7 @@ from .forward import logits as forward_logits, prefix, sample_tokens
 from .groups import Group, expand
 from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
-from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve
+from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
 from .precision import cast_copy
 from .probe import probe
 from .rewrite import apply_exponents_
@@ -231,7 +231,8 @@ def plan_fp16_safe(
             f"{worst}; {family.unfixable or 'see the family notes'}. Pass --allow-unfixable to convert anyway"
         )
     return ConversionReport(
-        plan=Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits, margin.context_length),
+        plan=Plan.build(family.name, model.config.model_type, groups, chosen.exponents, headroom_bits, margin.context_length,
+                        {n: tuple(p.shape) for n, p in model.named_parameters()}),
         scan_before=report,
         layers_after=_layers_after(report, constraints, chosen.exponents),
         unfixable=unfixable,
@@ -277,7 +278,9 @@ def _layers_after(report: ScanReport, constraints: list[Constraint], exps: dict[
 
 
 def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
-    """Apply a saved plan to a model of the same architecture (in place)."""
+    """Apply a saved plan to a model of the same architecture (in place). Refused, before any weight changes, if the
+    model's names or shapes differ from the plan's, or if today's family data would move other tensors than the
+    plan lists (a plan from another halfsafe version must never silently mean something else)."""
     if plan.model_type != model.config.model_type:
         raise HalfsafeError(f"the plan is for model_type {plan.model_type!r}, this model is {model.config.model_type!r}")
     family = family_for(model.config.model_type)
@@ -285,6 +288,18 @@ def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
     unknown = set(plan.exponents) - {g.name for g in groups}
     if unknown:
         raise HalfsafeError(f"the plan names groups this model does not have: {', '.join(sorted(unknown)[:5])}")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for t in plan.tensors:
+        if t["param"] not in shapes:
+            raise HalfsafeError(f"the plan moves {t['param']}, which this model does not have: it was made for another architecture")
+        if "shape" in t and tuple(t["shape"]) != shapes[t["param"]]:
+            raise HalfsafeError(f"{t['param']} is {list(shapes[t['param']])} here but {t['shape']} in the plan: "
+                                "the plan was made for a model of another size")
+    if plan.tensors:
+        keyed = lambda rows: sorted((r["param"], r["kind"], r["exponent"], r["part"]) for r in rows)  # noqa: E731
+        if keyed(tensor_table(groups, plan.exponents)) != keyed(plan.tensors):
+            raise HalfsafeError(f"the plan's tensor list (halfsafe {plan.halfsafe_version or '0.1.0'}) differs from what today's "
+                                f"{family.name} data moves for the same groups: convert the model again")
     apply_exponents_(model, family, groups, plan.exponents)
 
 
@@ -322,3 +337,31 @@ def convert_checkpoint(
                             max_context=max_context)
     save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite)
     return report
+
+
+def apply_checkpoint(
+    plan_path: str, source: str, out: str, texts: list[str] | None = None, seq_len: int = 256, max_samples: int | None = 2,
+    overwrite: bool = False, progress: bool = True,
+) -> tuple[Plan, ScanReport]:
+    """Re-apply a saved plan (plan.json, or a converted folder's halfsafe.json) to another checkpoint of the same
+    architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. The scan
+    says whether the new weights still fit: a fine-tune can grow activations."""
+    from .calibration import read_texts
+    from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
+    from .loading import load_model
+
+    check_out_dir(out, overwrite)
+    plan = Plan.load(plan_path)
+    loaded = load_model(source)
+    check_out_dir(out, overwrite, output_bytes(loaded.model))
+    apply_plan_(loaded.model, plan)
+    vocab = loaded.model.config.get_text_config().vocab_size
+    samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
+    after = scan(loaded.model, samples, fp16_check=True, progress=progress, name=str(source))
+    peak = after.peak
+    info = {"source": str(source), "applied_plan_from": str(plan_path), "plan": plan.to_dict(), "peak_after": peak.abs_max,
+            "scan_after": {"fp16_safe": after.fp16_safe, "first_nonfinite_fp16": after.first_nonfinite_fp16,
+                           "peak_site": peak.name, "headroom_bits": peak.headroom_bits,
+                           "margin_kept": peak.headroom_bits >= plan.headroom_bits}}
+    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, info, loaded.folder, overwrite)
+    return plan, after

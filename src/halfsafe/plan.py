@@ -126,9 +126,14 @@ def solve(groups: list[Group], constraints: list[Constraint], headroom_bits: flo
     return exps
 
 
+PLAN_FORMAT = 2  # 1: no version field (halfsafe 0.1.0); 2: versioned, every tensor with its shape
+
+
 @dataclass
 class Plan:
-    """A serialisable plan: the exponent of each group of `family` (0 for groups not listed)."""
+    """A serialisable plan: the exponent of each group of `family` (0 for groups not listed), and as data what
+    that means for this architecture: every touched tensor (name, kind, exponent, part, shape) and eps change.
+    `apply_plan_` refuses a plan whose tensors today's family data would map differently."""
 
     family: str
     model_type: str
@@ -138,41 +143,70 @@ class Plan:
     eps_exponent: int = 0
     eps_fields: dict[str, int] = field(default_factory=dict)  # eps of their own (a tower's): config field -> exponent
     context_length: int | None = None  # the longest context `headroom_bits` was chosen for (halfsafe.margin)
+    format: int = PLAN_FORMAT
+    halfsafe_version: str = ""
 
     @classmethod
     def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float,
-              context_length: int | None = None) -> "Plan":
+              context_length: int | None = None, shapes: dict[str, tuple] | None = None) -> "Plan":
+        from . import __version__
+
         exps = {k: int(v) for k, v in exponents.items() if v}
-        tensors = [
-            {"param": p, "kind": kind, "exponent": e, "part": _describe_select(select)}
-            for p, entries in tensor_exponents(groups, exps).items()
-            for kind, e, select in entries
-        ]
-        fields = {scope[0]: e for scope, e in scoped_eps_exponents(groups, exps).items()}
-        return cls(family, model_type, exps, headroom_bits, tensors, eps_exponent(groups, exps), fields, context_length)
+        return cls(family, model_type, exps, headroom_bits, tensor_table(groups, exps, shapes), eps_exponent(groups, exps),
+                   {scope[0]: e for scope, e in scoped_eps_exponents(groups, exps).items()}, context_length,
+                   PLAN_FORMAT, __version__)
 
     def inverse(self) -> "Plan":
         inv = {k: -v for k, v in self.exponents.items()}
         tensors = [dict(t, exponent=-t["exponent"]) for t in self.tensors]
         return Plan(self.family, self.model_type, inv, self.headroom_bits, tensors, -self.eps_exponent,
-                    {k: -v for k, v in self.eps_fields.items()}, self.context_length)
+                    {k: -v for k, v in self.eps_fields.items()}, self.context_length, self.format, self.halfsafe_version)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        return cls(d["family"], d["model_type"], {k: int(v) for k, v in d["exponents"].items()}, float(d["headroom_bits"]),
-                   d.get("tensors", []), int(d.get("eps_exponent", 0)), {k: int(v) for k, v in d.get("eps_fields", {}).items()},
-                   d.get("context_length"))
+        from .errors import HalfsafeError
+
+        version = int(d.get("format", 1))
+        if version > PLAN_FORMAT:
+            raise HalfsafeError(f"this plan is format {version}, made by halfsafe {d.get('halfsafe_version', '?')}; this "
+                                f"halfsafe reads formats up to {PLAN_FORMAT}: upgrade halfsafe")
+        try:
+            return cls(d["family"], d["model_type"], {k: int(v) for k, v in d["exponents"].items()}, float(d["headroom_bits"]),
+                       d.get("tensors", []), int(d.get("eps_exponent", 0)), {k: int(v) for k, v in d.get("eps_fields", {}).items()},
+                       d.get("context_length"), version, d.get("halfsafe_version", ""))
+        except (KeyError, TypeError, ValueError) as e:
+            raise HalfsafeError(f"not a halfsafe plan ({type(e).__name__}: {e}): pass a plan.json or halfsafe.json") from None
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        d = json.loads(Path(path).read_text())
-        return cls.from_dict(d.get("plan", d))
+        from .errors import HalfsafeError
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "halfsafe.json"
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise HalfsafeError(f"cannot read a plan from {path} ({e}): pass a plan.json or a converted folder") from None
+        return cls.from_dict(d.get("plan", d) if isinstance(d, dict) else {})
+
+
+def tensor_table(groups: list[Group], exponents: dict[str, int], shapes: dict[str, tuple] | None = None) -> list[dict]:
+    """Every tensor the exponents touch, as data: name, kind, total exponent, part (and shape, when known)."""
+    rows = []
+    for p, entries in tensor_exponents(groups, exponents).items():
+        for kind, e, select in entries:
+            row = {"param": p, "kind": kind, "exponent": e, "part": _describe_select(select)}
+            if shapes is not None:
+                row["shape"] = list(shapes[p])
+            rows.append(row)
+    return rows
 
 
 def _describe_select(select) -> str | None:
