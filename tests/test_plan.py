@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from halfsafe.convert import apply_plan_
@@ -44,3 +46,19 @@ def test_plan_round_trips_through_json_and_inverts(tmp_path):
     assert torch.allclose(logits(model, ids), ref, rtol=0, atol=1e-6 * ref.abs().max())
     apply_plan_(model, loaded.inverse())
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_inverse_negates_every_exponent_and_keeps_the_rest():
+    model = make_tiny("gemma3")
+    groups = expand(family_for("gemma3"), model)
+    exps = {g.name: (-3 if i % 2 else 2) for i, g in enumerate(groups)}
+    plan = Plan.build("gemma3", "gemma3", groups, exps, 1.25, 4096, {n: tuple(p.shape) for n, p in model.named_parameters()})
+    inv = plan.inverse()
+    assert inv.exponents == {k: -v for k, v in plan.exponents.items()} and inv.eps_exponent == -plan.eps_exponent
+    assert plan.eps_fields and inv.eps_fields == {k: -v for k, v in plan.eps_fields.items()}
+    assert [t["exponent"] for t in inv.tensors] == [-t["exponent"] for t in plan.tensors]
+    assert [{k: v for k, v in t.items() if k != "exponent"} for t in inv.tensors] == \
+        [{k: v for k, v in t.items() if k != "exponent"} for t in plan.tensors]
+    assert (inv.family, inv.model_type, inv.headroom_bits, inv.context_length, inv.format, inv.halfsafe_version) == \
+        (plan.family, plan.model_type, 1.25, 4096, plan.format, plan.halfsafe_version)
+    assert inv.inverse() == plan and Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
