@@ -168,7 +168,11 @@ def test_overflow_no_exact_rescale_reaches_is_named_and_reported_non_finite():
     report = make_fp16_safe(model, calib, progress=False, allow_unfixable=True)
     assert any("gate_proj" in site for site, _ in report.unfixable)
     assert report.fp16_finite is False
-    assert report.to_dict()["fp16_finite_on_calibration"] is False
+    d = report.to_dict()
+    assert d["fp16_finite_on_calibration"] is False
+    assert [u["site"] for u in d["unfixable"]] == [s for s, _ in report.unfixable]
+    assert all(u["abs_max"] > FP16_MAX for u in d["unfixable"])
+    assert all(t["abs_max"] <= FP16_MAX for t in d["below_headroom_target"])
 
 
 @pytest.mark.parametrize("wrong", ["o_proj moves with v_proj", "down_proj left out of the residual"])

@@ -99,6 +99,19 @@ def test_verify_api_end_to_end_on_a_tiny_model(tiny_pair, tmp_path):
     _check_pngs(write_plots(report, tmp_path / "v.png"))
     table = markdown_table(report)
     assert all(f"| {v} |" in table for v in ALL_VARIANTS)
+    rows = {line.split(" | ")[0][2:]: line.strip("| ").split(" | ") for line in table.splitlines()[2:]}
+    kib = lambda n: f"{n / 2**10:,.1f} KiB"  # noqa: E731  (tiny models: under a MiB)
+    for name in (REFERENCE, FP16, HALFSAFE):
+        r = report.result(name)
+        o = r.overall
+        nan = o.kl_mean != o.kl_mean
+        assert rows[name] == [
+            name, "yes" if r.variant.custom_runtime else "no", f"{o.nonfinite_logits:,}",
+            "0 (reference)" if name == REFERENCE else ("NaN" if nan else f"{o.kl_mean:.2e}"),
+            "-" if name == REFERENCE else f"{100 * o.top1:.2f}%", "NaN" if o.perplexity != o.perplexity else f"{o.perplexity:.3f}",
+            f"{o.greedy_matched}/{o.greedy_total}", "NaN" if o.max_abs_logit_error != o.max_abs_logit_error else f"{o.max_abs_logit_error:.3g}",
+            kib(r.parameter_bytes), kib(r.peak_activation_bytes),
+        ], name
 
 
 def _independent_metrics(model, variant, samples, prompts, n_greedy) -> dict:
