@@ -85,10 +85,10 @@ def sample_tokens(sample: torch.Tensor | Mapping) -> int:
     return (sample["input_ids"] if isinstance(sample, Mapping) else sample).shape[-1]
 
 
-def prefix(sample: torch.Tensor | dict, n: int) -> torch.Tensor | dict:
+def prefix(sample: torch.Tensor | Mapping, n: int) -> torch.Tensor | Mapping:
     """The first n tokens of a sample; a dict sample (text with image inputs) whole, since its image tokens
     must stay with their pixels."""
-    return sample if isinstance(sample, dict) else sample[:, :n]
+    return sample if isinstance(sample, Mapping) else sample[:, :n]
 
 
 @torch.no_grad()

@@ -115,12 +115,20 @@ def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tup
             if old is None:
                 continue
             setattr(config, attr, old * factor)
-            for module in modules:
-                if id(module) in fixed:
-                    continue
-                for mattr in family.eps_module_attrs:
-                    if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
-                        setattr(module, mattr, old * factor)
+            _move_copies((m for m in modules if id(m) not in fixed), family, old, factor)
+
+
+def _under(name: str, prefixes) -> bool:
+    """`name` is one of the module names in `prefixes`, or inside one of them."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _move_copies(modules, family: Family, old: float, factor: float) -> None:
+    """Every norm module among `modules` that copied the eps `old` at construction gets `old * factor`."""
+    for module in modules:
+        for mattr in family.eps_module_attrs:
+            if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
+                setattr(module, mattr, old * factor)
 
 
 def _scale_scoped_eps(model: PreTrainedModel, family: Family, factor: float) -> None:
@@ -137,12 +145,7 @@ def _scale_scoped_eps(model: PreTrainedModel, family: Family, factor: float) -> 
                 continue
             setattr(config, attr, old * factor)
             for prefix in (_strip_base_prefix(model, p + ".")[:-1] for p in prefixes):
-                for name, module in modules.items():
-                    if name != prefix and not name.startswith(prefix + "."):
-                        continue
-                    for mattr in family.eps_module_attrs:
-                        if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
-                            setattr(module, mattr, old * factor)
+                _move_copies((m for name, m in modules.items() if _under(name, (prefix,))), family, old, factor)
 
 
 def _eps_modules(model: PreTrainedModel, family: Family) -> list:
@@ -152,7 +155,7 @@ def _eps_modules(model: PreTrainedModel, family: Family) -> list:
     bare = getattr(model, "base_model", None) is model  # a bare base model names modules without its prefix
     prefix = f"{model.base_model_prefix}."
     skip = [p[len(prefix):] if bare and p.startswith(prefix) else p for p in family.eps_skip_modules]
-    return [m for n, m in model.named_modules() if not any(n == p or n.startswith(p + ".") for p in skip)]
+    return [m for n, m in model.named_modules() if not _under(n, skip)]
 
 
 def _scale_group_eps(model: PreTrainedModel, family: Family, factor: float, field: str, prefixes: tuple[str, ...]) -> None:
@@ -162,13 +165,10 @@ def _scale_group_eps(model: PreTrainedModel, family: Family, factor: float, fiel
     for part in path:
         config = getattr(config, part)
     old = getattr(config, attr)
-    within = [m for name, m in model.named_modules() if any(name == p or name.startswith(p + ".") for p in prefixes)]
+    within = [m for name, m in model.named_modules() if _under(name, prefixes)]
     # The sub-models under those prefixes may hold their own copy of that config (normally the same object).
     configs = [config] + [m.config for m in within if isinstance(getattr(m, "config", None), PretrainedConfig)
                           and getattr(m.config, attr, None) == old]
     for c in {id(c): c for c in configs}.values():
         setattr(c, attr, old * factor)
-    for module in within:
-        for mattr in family.eps_module_attrs:
-            if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
-                setattr(module, mattr, old * factor)
+    _move_copies(within, family, old, factor)
