@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from halfsafe.groups import expand
 from halfsafe.probe import probe
 from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import collect, layer_peaks
-from tiny import TINY, make_tiny, tiny_ids
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 
 def _rel(a, b) -> float:
@@ -29,8 +28,7 @@ def _rel(a, b) -> float:
 def _random_plan(model, seed=0):
     family = family_for(model.config.model_type)
     groups = expand(family, model)
-    rng = random.Random(seed)
-    exps = {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups}
+    exps = random_exponents(groups, seed)
     apply_exponents_(model, family, groups, exps)
     return exps
 

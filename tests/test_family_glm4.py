@@ -5,7 +5,6 @@ fp32-residual baselines find the post-branch norms as the residual writers."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 
@@ -17,7 +16,7 @@ from halfsafe.groups import expand
 from halfsafe.probe import probe
 from halfsafe.runtime import residual_writers
 from halfsafe.rewrite import apply_exponents_
-from tiny import TINY, make_tiny, tiny_ids
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from tiny.glm4 import config
 
 
@@ -71,7 +70,6 @@ def test_tied_head_random_plan_is_exact(monkeypatch):
     family = family_for("glm4")
     groups = expand(family, model)
     assert any(m.param == "model.norm.weight" for g in groups for m in g.moves)
-    rng = random.Random(0)
-    exps = {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups}
+    exps = random_exponents(groups, 0)
     apply_exponents_(model, family, groups, exps)
     assert float((logits(model, ids) - ref).abs().max() / ref.abs().max()) < 1e-6  # measured 0.0

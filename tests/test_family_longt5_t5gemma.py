@@ -5,7 +5,6 @@ global side norm left out of the residual) rejected by the probe."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 from transformers import LongT5Config
@@ -16,7 +15,7 @@ from halfsafe.forward import logits
 from halfsafe.groups import expand
 from halfsafe.probe import probe
 from halfsafe.rewrite import apply_exponents_
-from tiny import TINY, make_tiny, tiny_ids
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from tiny.longt5 import COMMON as LONGT5
 from tiny.t5gemma import config as t5gemma_config
 
@@ -45,8 +44,7 @@ def test_random_plan_is_exact_on_the_other_variants(variant):
     ref = logits(model, ids)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
-    rng = random.Random(0)
-    exps = {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups}
+    exps = random_exponents(groups, 0)
     exps["residual"] = -3
     apply_exponents_(model, family, groups, exps)
     assert _rel(logits(model, ids), ref) < 1e-6  # measured 0.0 (bit-identical) on all three

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import random
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from halfsafe.probe import _passes, probe
 from halfsafe.rewrite import apply_exponents_
 from halfsafe.runtime import keep_residual_fp32
 from halfsafe.scan import scan
-from tiny import TINY, make_tiny, tiny_ids
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 MOE_KEYS = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 
@@ -70,8 +69,7 @@ def test_random_plan_keeps_the_chosen_experts(key):
     before = chosen_experts(model, ids)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
-    rng = random.Random(0)
-    exps = {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups}
+    exps = random_exponents(groups, 0)
     apply_exponents_(model, family, groups, exps)
     assert _same_routing(chosen_experts(model, ids), before)
     # A rescale the router does see changes the routing on these models, so the check above can fail:
@@ -141,8 +139,7 @@ def test_tied_heads_random_plan_is_exact(key):
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     assert any(m.param == "model.norm.weight" for g in groups for m in g.moves)
-    rng = random.Random(0)
-    apply_exponents_(model, family, groups, {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups})
+    apply_exponents_(model, family, groups, random_exponents(groups, 0))
     assert _rel(logits(model, ids), ref) < 1e-6
 
 
@@ -191,8 +188,7 @@ def test_a_rescaled_model_saved_and_loaded_computes_the_same(key, tmp_path):
     ids = tiny_ids(model, length=16)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
-    rng = random.Random(2)
-    apply_exponents_(model, family, groups, {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups} | {"residual": -5})
+    apply_exponents_(model, family, groups, random_exponents(groups, 2) | {"residual": -5})
     fixed = [m for n, m in model.named_modules() if n.endswith(family.fixed_eps_modules or ("-",))]
     assert all(m.variance_epsilon == 1e-6 for m in fixed) and (bool(fixed) == key.startswith("deepseek"))
     model.save_pretrained(tmp_path)

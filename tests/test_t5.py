@@ -5,7 +5,6 @@ own lm_head, the encoder-only class, uneven encoder/decoder depth)."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from halfsafe.rewrite import apply_exponents_
 from halfsafe.runtime import load_pure_fp16
 from halfsafe.scan import scan
 from halfsafe.stats import first_tensor
-from tiny import TINY, make_tiny, tiny_ids
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 KEY = "t5-v1_1"
 FAMILY = family_for("t5")
@@ -136,7 +135,6 @@ def test_other_layouts_expand_fully_and_stay_exact(build):
     moved = {m.param for g in groups for m in g.moves}
     paired = (".q.weight", ".k.weight", ".v.weight", ".o.weight", ".wi_1.weight", ".wo.weight")
     assert {n for n, _ in model.named_parameters() if n.endswith(paired)} <= moved  # every block of every stack
-    rng = random.Random(0)
-    apply_exponents_(model, FAMILY, groups, {g.name: rng.choice([-3, -2, -1, 1, 2, 3]) for g in groups})
+    apply_exponents_(model, FAMILY, groups, random_exponents(groups, 0))
     out = logits(model, ids)
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-6

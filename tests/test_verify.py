@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from halfsafe.baselines import ONNX_CLAMP, clamp_residual_adds
+from halfsafe.baselines import clamp_residual_adds
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import make_fp16_safe
 from halfsafe.forward import logits

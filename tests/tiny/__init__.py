@@ -7,6 +7,7 @@ bfloat16, as a bf16-pretrained checkpoint's would be.
 from __future__ import annotations
 
 import pkgutil
+import random
 from importlib import import_module
 
 import torch
@@ -44,6 +45,12 @@ def make_tiny(key: str, seed: int = 0, untie: bool = False) -> PreTrainedModel:
         if b.is_floating_point() and "bias" in name:
             b.copy_(b.bfloat16().float())
     return model
+
+
+def random_exponents(groups, seed: int = 0, choices=(-3, -2, -1, 1, 2, 3)) -> dict[str, int]:
+    """A random power-of-two plan: one exponent per group, drawn from `choices` (reproducible by seed)."""
+    rng = random.Random(seed)
+    return {g.name: rng.choice(list(choices)) for g in groups}
 
 
 def tiny_ids(model: PreTrainedModel, length: int = 24, seed: int = 1) -> torch.Tensor:
