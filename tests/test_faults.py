@@ -95,12 +95,12 @@ KILL_AT = {
     """,
     # during the save: after the weights are written, before halfsafe.json and the rename
     "save": """
-        import transformers
-        real = transformers.PreTrainedModel.save_pretrained
-        def save(self, *a, **k):
-            real(self, *a, **k)
+        import halfsafe.checkpoint as c
+        real = c.write_weights
+        def write_weights(*a, **k):
+            bad = real(*a, **k)
             kill()
-        transformers.PreTrainedModel.save_pretrained = save
+        c.write_weights = write_weights
     """,
     # with --overwrite: after the old checkpoint was moved aside, before the new one is moved in
     "swap": """

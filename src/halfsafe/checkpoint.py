@@ -21,7 +21,10 @@ from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from . import __version__
+from .engine.streamed import streamed_of
+from .engine.write import DEFAULT_MAX_SHARD_SIZE, write_weights
 from .errors import HalfsafeError
+from .precision import cast_copy
 
 log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
@@ -139,14 +142,22 @@ def _check_weights(model: PreTrainedModel) -> None:
 
 
 def save_fp16_checkpoint(
-    model: PreTrainedModel, tokenizer, out: str | Path, info: dict, source_folder: Path | None = None, overwrite: bool = False
+    model: PreTrainedModel, tokenizer, out: str | Path, info: dict, source_folder: Path | None = None, overwrite: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False,
 ) -> Path:
-    """Cast `model` to fp16 in place and save it with its tokenizer, `info` as halfsafe.json and a card."""
+    """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `info` as halfsafe.json and a
+    card. A streamed model is written tensor by tensor from its shards."""
     out = check_out_dir(out, overwrite, output_bytes(model))
-    model.half()
-    _check_weights(model)
     try:
-        _write(model, tokenizer, out, info, source_folder)
+        with atomic_folder(out) as tmp:
+            if streamed_of(model) is not None:
+                _write_streamed(model, tmp, max_shard_size, progress)
+            else:
+                half = cast_copy(model, torch.float16)
+                _check_weights(half)
+                half.save_pretrained(tmp, max_shard_size=max_shard_size)
+                del half
+            _write_extras(tokenizer, tmp, info, source_folder)
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "
@@ -154,18 +165,31 @@ def save_fp16_checkpoint(
     return out
 
 
-def _write(model: PreTrainedModel, tokenizer, out: Path, info: dict, source_folder: Path | None) -> None:
-    with atomic_folder(out) as tmp:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if source_folder is not None:
-            for pattern in _CARRY_OVER:
-                for f in source_folder.glob(pattern):
-                    if f.is_file() and not (tmp / f.name).exists():
-                        shutil.copy2(f, tmp / f.name)
-        info = {"halfsafe_version": __version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__, **info}
-        (tmp / "halfsafe.json").write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
+def _write_streamed(model: PreTrainedModel, tmp: Path, max_shard_size, progress: bool) -> None:
+    bad = write_weights(streamed_of(model), tmp, max_shard_size, progress)
+    if bad:
+        raise HalfsafeError(f"refusing to save: non-finite weights in {', '.join(bad[:3])} (please report this)")
+    dtype, architectures = model.config.dtype, model.config.architectures
+    model.config.dtype, model.config.architectures = "float16", [type(model).__name__]  # as save_pretrained records them
+    try:
+        model.config.save_pretrained(tmp)
+        if model.can_generate():
+            model.generation_config.save_pretrained(tmp)
+    finally:
+        model.config.dtype, model.config.architectures = dtype, architectures
+
+
+def _write_extras(tokenizer, tmp: Path, info: dict, source_folder: Path | None) -> None:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if source_folder is not None:
+        for pattern in _CARRY_OVER:
+            for f in source_folder.glob(pattern):
+                if f.is_file() and not (tmp / f.name).exists():
+                    shutil.copy2(f, tmp / f.name)
+    info = {"halfsafe_version": __version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__, **info}
+    (tmp / "halfsafe.json").write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
+    if "plan" in info:
         _write_card(tmp / "README.md", info)
 
 

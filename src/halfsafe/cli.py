@@ -39,13 +39,21 @@ def _write_json(path: str | None, data: dict) -> None:
         console.print(f"wrote {path}")
 
 
+def _engine_options(p) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when torch sees a GPU): one block on it at a time")
+    p.add_argument("--whole", action="store_true",
+                   help="load the whole model into memory instead of one block at a time from its shards (faster for small models)")
+
+
 def cmd_scan(args) -> int:
     from .display import scan_tables
     from .loading import load_model
     from .plots import plot_layer_peaks
     from .scan import scan
 
-    loaded = load_model(args.model)
+    from .engine.device import resolve_device
+
+    loaded = load_model(args.model, stream=not args.whole, device=resolve_device(args.device))
     report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model)
     scan_tables(report, console, top=args.top)
     _write_json(args.json, report.to_dict())
@@ -68,7 +76,8 @@ def cmd_convert(args) -> int:
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
-        max_context=args.max_context, long_sample=args.long_sample,
+        max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
+        max_shard_size=args.max_shard_size,
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
@@ -90,7 +99,7 @@ def cmd_apply(args) -> int:
     from .convert import apply_checkpoint
 
     plan, after = apply_checkpoint(args.plan, args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len,
-                                   max_samples=args.max_samples, overwrite=args.overwrite)
+                                   max_samples=args.max_samples, overwrite=args.overwrite, stream=not args.whole, device=args.device)
     peak = after.peak
     console.print(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
     if after.fp16_safe and after.first_nonfinite_fp16 is None:
@@ -211,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit")
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
     p.add_argument("--top", type=int, default=12, help="rows in the tightest-tensors table")
+    _engine_options(p)
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("convert", help="rescale a model exactly so it runs in float16; save an fp16 checkpoint")
@@ -224,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
+    p.add_argument("--max-shard-size", default="50GB", help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
+    _engine_options(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="export a converted checkpoint to another runtime's format (fp16 ONNX)")
@@ -238,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("apply", help="re-apply a saved plan to another checkpoint of the same architecture (e.g. a fine-tune)")
     p.add_argument("plan", help="plan.json, a converted folder's halfsafe.json, or the converted folder")
     p.add_argument("model", help="model folder (same architecture and sizes as the plan's)")
+    _engine_options(p)
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p, seq_len=256, max_samples=2)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")

@@ -10,17 +10,20 @@ import torch
 from transformers import PreTrainedModel
 
 from .calibration import default_text, make_samples
+from .engine.device import resolve_device
+from .engine.streamed import weights
+from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
-from .families import GAIN1P, Family, family_for
+from .families import Family, family_for
 from .formats import FP16_MAX, FP16_MIN_NORMAL
 from .forward import logits as forward_logits, prefix, sample_tokens
 from .groups import Group, expand
 from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
 from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
-from .precision import cast_copy
+from .precision import in_dtype
 from .probe import probe
-from .rewrite import apply_exponents_
+from .rewrite import apply_exponents_, trial
 from .scan import ScanReport, scan
 
 log = logging.getLogger(__name__)
@@ -81,29 +84,11 @@ class ConversionReport:
         }
 
 
-def _saved_gains(model: PreTrainedModel, groups: list[Group]) -> dict[str, torch.Tensor]:
-    params = dict(model.named_parameters())
-    return {m.param: params[m.param].detach().clone() for g in groups for m in g.moves if m.kind == GAIN1P}
-
-
-def _revert(model, family, groups, exponents, saved) -> None:
-    apply_exponents_(model, family, groups, {k: -v for k, v in exponents.items()})
-    params = dict(model.named_parameters())
-    for name, t in saved.items():
-        params[name].data.copy_(t)
-
-
 @torch.no_grad()
 def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
-    """Apply, run an fp16 copy on `ids`, compare to the fp32 reference, undo (bit for bit)."""
-    saved = _saved_gains(model, groups)
-    apply_exponents_(model, family, groups, exponents)
-    try:
-        half = cast_copy(model, torch.float16)
+    """Apply, run in fp16 on `ids`, compare to the fp32 reference, undo (bit for bit)."""
+    with trial(model, family, groups, exponents), in_dtype(model, torch.float16) as half:
         out = forward_logits(half, ids).float()
-        del half
-    finally:
-        _revert(model, family, groups, exponents, saved)
     finite = bool(torch.isfinite(out).all())
     return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
 
@@ -205,7 +190,7 @@ def plan_fp16_safe(
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
     headroom_bits = margin.bits
     governed = probe(model, family, groups, prefix(samples[0], PROBE_TOKENS))
-    constraints = constraints_from(report.sites, governed, groups, dict(model.named_parameters()))
+    constraints = constraints_from(report.sites, governed, groups, weights(model))
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
     reference = solve(groups, constraints, headroom_bits)
@@ -259,11 +244,11 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
     report = plan_fp16_safe(model, samples, **options)
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
-    params = dict(model.named_parameters())
     touched = sorted({t["param"] for t in report.plan.tensors})
-    before = {p: storage_error(params[p]) for p in touched}
+    values = weights(model)  # read as they are at each access: before, then after the plan
+    before = {p: storage_error(values[p]) for p in touched}
     apply_plan_(model, report.plan)
-    report.storage = [{"param": p, "before": before[p], "after": storage_error(params[p])} for p in touched]
+    report.storage = [{"param": p, "before": before[p], "after": storage_error(values[p])} for p in touched]
     report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return report
 
@@ -315,9 +300,13 @@ def convert_checkpoint(
     progress: bool = True,
     max_context: int | None = None,
     long_sample: int | None = None,
+    stream: bool = True,
+    device: str = "auto",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
-    also calibrate on one sample of that many tokens (the embedded text repeated)."""
+    also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
+    rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
     from .calibration import long_sample_ids, read_texts
     from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
     from .loading import load_model
@@ -326,7 +315,7 @@ def convert_checkpoint(
     check_options(max_context, headroom_bits)
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
-    loaded = load_model(source)
+    loaded = load_model(source, stream=stream, device=resolve_device(device))
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
     check_out_dir(out, overwrite, output_bytes(loaded.model))  # and a disk too small for the output
     vocab = loaded.model.config.get_text_config().vocab_size
@@ -335,13 +324,14 @@ def convert_checkpoint(
         samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
                             max_context=max_context)
-    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite)
+    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
+                         max_shard_size, progress)
     return report
 
 
 def apply_checkpoint(
     plan_path: str, source: str, out: str, texts: list[str] | None = None, seq_len: int = 256, max_samples: int | None = 2,
-    overwrite: bool = False, progress: bool = True,
+    overwrite: bool = False, progress: bool = True, stream: bool = True, device: str = "auto",
 ) -> tuple[Plan, ScanReport]:
     """Re-apply a saved plan (plan.json, or a converted folder's halfsafe.json) to another checkpoint of the same
     architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. The scan
@@ -352,7 +342,7 @@ def apply_checkpoint(
 
     check_out_dir(out, overwrite)
     plan = Plan.load(plan_path)
-    loaded = load_model(source)
+    loaded = load_model(source, stream=stream, device=resolve_device(device))
     check_out_dir(out, overwrite, output_bytes(loaded.model))
     apply_plan_(loaded.model, plan)
     vocab = loaded.model.config.get_text_config().vocab_size
@@ -363,5 +353,5 @@ def apply_checkpoint(
             "scan_after": {"fp16_safe": after.fp16_safe, "first_nonfinite_fp16": after.first_nonfinite_fp16,
                            "peak_site": peak.name, "headroom_bits": peak.headroom_bits,
                            "margin_kept": peak.headroom_bits >= plan.headroom_bits}}
-    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, info, loaded.folder, overwrite)
+    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, info, loaded.folder, overwrite, progress=progress)
     return plan, after

@@ -56,11 +56,13 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
     also be a dict of model inputs (input_ids with pixel_values and the like, for a vision-language model),
     passed as it is. Without one, image-text models get the synthetic image after the first token (see the
     module's docstring)."""
-    extra = {}
+    from .engine.streamed import compute_device
+
+    extra, device = {}, compute_device(model)
     if isinstance(ids, Mapping):
-        extra = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
+        extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
         ids = extra.pop("input_ids")
-    ids = ids.to(model.device)
+    ids = ids.to(device)
     image = _synthetic_image(model, extra)
     if image is not None:
         block, types, pixels = image
@@ -70,7 +72,7 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
         token_types = torch.cat([torch.zeros_like(ids[:, :1]), types, torch.zeros_like(ids[:, block.shape[1] + 1:])], dim=1)
         dtype = next(model.parameters()).dtype
         return {"input_ids": ids, "token_type_ids": token_types,
-                "pixel_values": pixels.expand(ids.shape[0], -1, -1, -1).to(model.device, dtype)}
+                "pixel_values": pixels.expand(ids.shape[0], -1, -1, -1).to(device, dtype)}
     if not is_encoder_decoder(model):
         return {"input_ids": ids, **extra}
     start = getattr(model.config, "decoder_start_token_id", None)
@@ -113,6 +115,9 @@ def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
     if not standard_causal or base is None or base is model or head is None or is_encoder_decoder(model):
         model(**model_inputs(model, ids), use_cache=False)
         return
-    hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state
-    for chunk in hidden.split(HEAD_CHUNK, dim=1):
-        head(chunk)
+    from .engine.streamed import stem_held
+
+    with stem_held(model):  # a streamed model's head loads once, not once per chunk
+        hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state
+        for chunk in hidden.split(HEAD_CHUNK, dim=1):
+            head(chunk)

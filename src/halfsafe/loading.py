@@ -30,20 +30,23 @@ class LoadedModel:
     folder: Path | None  # a Hugging Face folder holding config (and tokenizer) files, if any
 
 
-def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load `source` for measurement; weights in `dtype` (float32 by default: the reference)."""
+def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, stream: bool = False,
+               device: str = "cpu") -> LoadedModel:
+    """Load `source` for measurement; weights in `dtype` (float32 by default: the reference). `stream`: keep the
+    weights in the checkpoint and load one block at a time while the model runs (halfsafe.engine), where the
+    checkpoint's layout allows; otherwise (and for GGUF) the whole model is loaded."""
     source = str(source)
     if source in FIXTURE_NAMES:
         from .fixtures import gemma3_270m_folder
 
-        return _load_folder(gemma3_270m_folder(), dtype, source)
+        return _load_folder(gemma3_270m_folder(), dtype, source, stream, device)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, dtype, source)
     if path.is_file():
         raise HalfsafeError(f"{source} is a file, not a model: give the model's folder (with config.json) or a .gguf file")
     if path.is_dir():
-        return _load_folder(path, dtype, source)
+        return _load_folder(path, dtype, source, stream, device)
     if _looks_like_hub_id(source):
         return _load_cached_hub_id(source, dtype)
     raise HalfsafeError(
@@ -85,11 +88,16 @@ def model_class_for(config: PretrainedConfig):
     raise UnsupportedModelError(f"transformers has no model class for model_type {config.model_type!r}")
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, source: str) -> LoadedModel:
+def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu") -> LoadedModel:
+    from .engine.shards import Shards
+
     config = read_config(folder)
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
+    shards = Shards(folder)  # refuses pickled weights, missing shards and unreadable headers up front
     cls = model_class_for(config)
+    if stream:
+        streamed = _try_stream(folder, config, cls, shards, device)
+        if streamed is not None:
+            return LoadedModel(streamed, _load_tokenizer(folder), source, folder)
     try:
         with _quiet_transformers():
             model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
@@ -98,7 +106,24 @@ def _load_folder(folder: Path, dtype: torch.dtype, source: str) -> LoadedModel:
             f"could not load the weights in {folder} ({_first_line(e)}): the checkpoint looks corrupt; re-download or re-save it"
         ) from None
     model.eval()
-    return LoadedModel(model, _load_tokenizer(folder), source, folder)
+    return LoadedModel(model.to(device) if device != "cpu" else model, _load_tokenizer(folder), source, folder)
+
+
+def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str) -> PreTrainedModel | None:
+    """The streamed model, or None (logged) when transformers must convert the checkpoint's tensors on load."""
+    from transformers import GenerationConfig
+
+    from .engine.streamed import build
+
+    try:
+        with _quiet_transformers():
+            streamed = build(config, cls, shards, device)
+    except HalfsafeError as e:
+        logging.getLogger(__name__).warning("%s; loading the whole model instead", e)
+        return None
+    if (folder / "generation_config.json").is_file():
+        streamed.model.generation_config = GenerationConfig.from_pretrained(folder)
+    return streamed.model
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedModel:
@@ -141,7 +166,7 @@ def _load_cached_hub_id(repo_id: str, dtype: torch.dtype) -> LoadedModel:
             f"{repo_id} is neither a local path nor in the local Hugging Face cache: download it first "
             f"(hf download {repo_id}) or give a folder"
         ) from None
-    return _load_folder(folder, dtype, repo_id)
+    return _load_folder(folder, dtype, repo_id)  # a cached hub snapshot: small models, loaded whole
 
 
 def _load_tokenizer(folder: Path):

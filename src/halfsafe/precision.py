@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     (`copy.deepcopy(model).half()` would first duplicate the whole float32 model).
     """
     memo: dict[int, object] = {}
-    strict = _strict_fp32(model)
+    strict = strict_fp32_pattern(model)
     for name, p in model.named_parameters():
         if id(p) not in memo:
             keep = p.dtype == torch.float32 and strict is not None and strict.search(name)
@@ -37,7 +38,7 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return clone
 
 
-def _strict_fp32(model: nn.Module):
+def strict_fp32_pattern(model: nn.Module):
     """What transformers keeps in float32 under any load dtype (`_keep_in_fp32_modules_strict`: DeepSeek's router
     weights and score bias), as one pattern over parameter names; None where the model names nothing."""
     names = getattr(model, "_keep_in_fp32_modules_strict", None) or []
@@ -48,3 +49,25 @@ def _strict_fp32(model: nn.Module):
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
+
+
+@contextmanager
+def in_dtype(model: nn.Module, dtype: torch.dtype):
+    """`with in_dtype(model, torch.float16) as half: half(...)`: the model computing in `dtype` as
+    `from_pretrained(..., dtype=dtype)` would, for the duration. An in-memory model gets a `cast_copy` (freed
+    after); a streamed one (halfsafe.engine) loads its units in `dtype` and is restored after."""
+    from .engine.streamed import streamed_of
+
+    streamed = streamed_of(model)
+    if streamed is None:
+        half = cast_copy(model, dtype)
+        try:
+            yield half
+        finally:
+            del half
+        return
+    saved = streamed.set_dtype(dtype)
+    try:
+        yield model
+    finally:
+        streamed.restore_dtype(saved)

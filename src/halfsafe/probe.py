@@ -16,10 +16,10 @@ import torch
 from transformers import PreTrainedModel
 
 from .errors import UnsupportedModelError
-from .families import GAIN1P, Family
+from .families import Family
 from .forward import logits as forward_logits
 from .groups import Group
-from .rewrite import apply_exponents_
+from .rewrite import trial
 from .stats import ActivationCollector
 
 EXACT_RTOL = 1e-4  # float32 output change allowed for a probe (exact algebra; only eps rounding differs)
@@ -46,17 +46,10 @@ def probe(model: PreTrainedModel, family: Family, groups: list[Group], ids: torc
     for g in groups:
         by_spec[g.spec].append(g)
     governed: dict[str, dict[str, float]] = {g.name: {} for g in groups}
-    params = dict(model.named_parameters())
     for spec, members in ((name, part) for name, every in by_spec.items() for part in _passes(every)):
         exps = {g.name: PROBE_EXPONENT for g in members}
-        saved = {m.param: params[m.param].detach().clone() for g in members for m in g.moves if m.kind == GAIN1P}
-        apply_exponents_(model, family, members, exps)
-        try:
+        with trial(model, family, members, exps):
             moved, out = _measure(model, ids)
-        finally:
-            apply_exponents_(model, family, members, {k: -v for k, v in exps.items()})
-            for name, t in saved.items():
-                params[name].data.copy_(t)
         change = _rel_change(ref, out)
         if not change <= EXACT_RTOL:
             raise UnsupportedModelError(

@@ -2,12 +2,16 @@
 
 Power-of-two multiplications are exact in any binary float format (barring overflow or subnormals), so
 applying exponents and then their negation restores `mul` tensors bit for bit. `(1+w)` gains are
-computed in float64 and rounded once to the parameter's dtype.
+computed in float64 and rounded once to the parameter's dtype; `trial` puts their stored values back.
+
+A streamed model (`halfsafe.engine`) keeps its weights in the checkpoint: rescaling it changes the table its
+loads apply (`rescaled`), so the same calls work on a model of any size.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -62,6 +66,34 @@ def scale_tensor_(t: torch.Tensor, kind: str, exponent: int, select=None) -> Non
         raise ValueError(f"unknown move kind {kind!r}")
 
 
+@torch.no_grad()
+def rescaled(t: torch.Tensor, entries) -> torch.Tensor:
+    """`t` (owned by the caller) with every (kind, exponent, select) of `tensor_exponents` applied, in place."""
+    for kind, e, select in entries:
+        scale_tensor_(t, kind, e, select)
+    return t
+
+
+def check_finite(model: PreTrainedModel, names) -> None:
+    """After a rewrite: every rescaled weight still finite (a plan never overflows a weight; if it did, say so)."""
+    params = dict(model.named_parameters())
+    bad = [n for n in names if n in params and params[n].device.type != "meta" and not torch.isfinite(params[n]).all()]
+    if bad:
+        raise FloatingPointError(f"rescaling made {', '.join(bad[:3])} non-finite (please report this)")
+
+
+def _merge_tables(a: dict, b: dict) -> dict:
+    """Two tensor_exponents tables applied one after the other, as one (entries that cancel are dropped)."""
+    out: dict[str, dict] = defaultdict(dict)
+    for table in (a, b):
+        for name, entries in table.items():
+            for kind, e, select in entries:
+                key = (kind, _select_key(select))
+                k, total, sel = out[name].get(key, (kind, 0, select))
+                out[name][key] = (k, total + e, sel)
+    return {n: [v for v in d.values() if v[1]] for n, d in out.items() if any(v[1] for v in d.values())}
+
+
 def eps_exponent(groups: list[Group], exponents: dict[str, int]) -> int:
     """The family's shared norm eps moves by 2**(this)."""
     return sum(g.eps_power * exponents.get(g.name, 0) for g in groups if g.eps_scope is None)
@@ -86,11 +118,38 @@ def move_eps_(model: PreTrainedModel, family: Family, groups: list[Group], expon
 @torch.no_grad()
 def apply_exponents_(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]) -> None:
     """Rescale `model` in place by the given group exponents (missing groups: 0)."""
-    params = dict(model.named_parameters())
-    for name, entries in tensor_exponents(groups, exponents).items():
-        for kind, e, select in entries:
-            scale_tensor_(params[name].data, kind, e, select)
+    from .engine.streamed import streamed_of
+
+    table = tensor_exponents(groups, exponents)
+    streamed = streamed_of(model)
+    if streamed is not None:
+        streamed.set_rescale(_merge_tables(streamed.rescale, table))
+    else:
+        params = dict(model.named_parameters())
+        for name, entries in table.items():
+            rescaled(params[name].data, entries)
+        check_finite(model, table)
     move_eps_(model, family, groups, exponents)
+
+
+@contextmanager
+def trial(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]):
+    """`with trial(model, family, groups, exps): ...` runs the block on the rescaled model, then undoes the rescale
+    bit for bit: power-of-two factors invert exactly, `(1+w)` gains are put back from a saved copy."""
+    from .engine.streamed import streamed_of
+
+    params = dict(model.named_parameters())
+    saved = {} if streamed_of(model) is not None else {
+        name: params[name].detach().clone() for name, entries in tensor_exponents(groups, exponents).items()
+        if any(kind == GAIN1P for kind, _, _ in entries)}
+    apply_exponents_(model, family, groups, exponents)
+    try:
+        yield model
+    finally:
+        apply_exponents_(model, family, groups, {k: -v for k, v in exponents.items()})
+        with torch.no_grad():
+            for name, t in saved.items():
+                params[name].data.copy_(t)
 
 
 def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tuple[str, tuple[str, ...]] | None = None) -> None:

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from .formats import FP16_MAX
 from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
-from .precision import cast_copy
+from .precision import in_dtype
 from .stats import ActivationCollector, SiteStats
 
 FP16_CHECK_TOKENS = 128  # fp16 matmuls are slow on CPUs; the first overflow shows within a short prefix
@@ -104,16 +104,12 @@ def layer_peaks(model: PreTrainedModel, sites: dict[str, SiteStats]) -> list[Lay
 def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor]) -> str | None:
     """Run an fp16 copy of `model` on a short prefix of the samples; the first module whose output is
     inf/NaN, or None."""
-    half = cast_copy(model, torch.float16)
-    try:
-        with ActivationCollector(half, stop_at_nonfinite=True) as collector:
-            for ids in samples[:2]:
-                half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
-                if collector.first_nonfinite:
-                    break
-        return collector.first_nonfinite
-    finally:
-        del half
+    with in_dtype(model, torch.float16) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
+        for ids in samples[:2]:
+            half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
+            if collector.first_nonfinite:
+                break
+    return collector.first_nonfinite
 
 
 def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "") -> ScanReport:

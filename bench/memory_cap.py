@@ -1,0 +1,58 @@
+"""Run a command under a hard memory cap (a cgroup v1 memory controller, as root) and report its peak.
+
+    python bench/memory_cap.py CAP_GB -- halfsafe convert MODEL OUT
+
+The cap covers everything the command charges: its anonymous memory and the page cache of the files it reads and
+writes (the kernel reclaims cache under the cap; only memory it cannot reclaim kills the run). Swap is off on these
+machines. Prints one JSON line: exit code, wall seconds, peak RSS of the command (its own getrusage), the cgroup's
+peak usage (page cache included), and how often usage reached the cap (an OOM kill shows as exit code -9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup/memory")
+
+
+def run_capped(cap_bytes: int, argv: list[str]) -> dict:
+    group = ROOT / f"halfsafe-bench-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
+        try:
+            (group / "memory.memsw.limit_in_bytes").write_text(str(cap_bytes))  # no swap escape, where accounted
+        except OSError:
+            pass
+        start = time.time()
+        proc = subprocess.Popen(argv, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        _, status, usage = os.wait4(proc.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        return {"argv": argv, "exit": code, "wall_s": round(time.time() - start, 1), "cap_gb": cap_bytes / 1e9,
+                "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9,
+                "cgroup_peak_gb": int((group / "memory.max_usage_in_bytes").read_text()) / 1e9,
+                "times_at_cap": int((group / "memory.failcnt").read_text())}
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def main() -> None:
+    cap, sep, *argv = sys.argv[1:]
+    assert sep == "--", __doc__
+    print(json.dumps(run_capped(int(float(cap) * 1e9), argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""How data flows through a model too big to hold: its weights stay in the checkpoint's shards and each unit
+(a block, an embedding, a head) is loaded, run and freed in turn (`streamed`); the converted checkpoint is written
+tensor by tensor (`write`); `shards` reads the input, `device` picks where it computes."""

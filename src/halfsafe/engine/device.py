@@ -1,0 +1,21 @@
+"""Where models compute: `--device cpu|cuda|auto`."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import HalfsafeError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str = "auto") -> str:
+    """"auto": the GPU when torch sees one, else the CPU. "cuda" without a GPU is a one-line error."""
+    if device not in DEVICES and not str(device).startswith("cuda:"):
+        raise HalfsafeError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise HalfsafeError(f"--device {device}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu "
+                            "or install a CUDA build of torch")
+    return str(device)

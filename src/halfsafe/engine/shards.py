@@ -1,0 +1,139 @@
+"""The safetensors files of a checkpoint folder, read one tensor at a time.
+
+halfsafe never unpickles: a folder holding only `.bin`/`.pt` weights is refused with the command that turns it
+into safetensors. A shard named in the index but absent, or a file whose header does not parse, is a one-line
+error before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import HalfsafeError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+class Shards:
+    """`key -> tensor` over a folder's safetensors files: `shape`/`dtype` from the headers, `load` reads one
+    tensor (the file is memory-mapped only while `open()` is active, so nothing stays resident)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.file_of = _file_of_each_key(self.folder)
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for name in sorted(set(self.file_of.values())):
+            try:
+                with safe_open(self.folder / name, "pt") as f:
+                    for key in f.keys():
+                        if self.file_of.get(key) == name:
+                            s = f.get_slice(key)
+                            self._meta[key] = (tuple(s.get_shape()), _DTYPES[s.get_dtype()])
+            except (SafetensorError, OSError) as e:
+                raise HalfsafeError(f"{self.folder / name} is not a readable safetensors file ({_first_line(e)}): "
+                                    "re-download or re-save the checkpoint") from None
+        missing = [k for k in self.file_of if k not in self._meta]
+        if missing:
+            raise HalfsafeError(f"the index names {missing[0]} in {self.file_of[missing[0]]}, which does not hold it: "
+                                "the checkpoint is incomplete; re-download it")
+        self._open: dict[str, object] = {}
+        self._stack: ExitStack | None = None
+
+    def keys(self) -> list[str]:
+        return list(self._meta)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._meta
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._meta[key][0]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._meta[key][1]
+
+    def nbytes(self, key: str) -> int:
+        n = 1
+        for d in self.shape(key):
+            n *= d
+        return n * self.dtype(key).itemsize
+
+    def open(self) -> "Shards":
+        """`with shards.open(): ...` keeps the files mapped for a batch of loads (one unit's tensors)."""
+        return self
+
+    def __enter__(self):
+        self._stack = ExitStack()
+        return self
+
+    def __exit__(self, *exc):
+        self._open.clear()
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stored tensor in `dtype` (floating tensors only; default: as stored), a fresh CPU tensor that owns
+        its memory (safetensors hands out views of the mapped file, which must not be written to or kept)."""
+        name = self.file_of[key]
+        if self._stack is not None:
+            f = self._open.get(name)
+            if f is None:
+                f = self._open[name] = self._stack.enter_context(safe_open(self.folder / name, "pt"))
+            return _owned(f.get_tensor(key), dtype)
+        with safe_open(self.folder / name, "pt") as f:
+            return _owned(f.get_tensor(key), dtype)
+
+
+def _owned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or not t.is_floating_point() or t.dtype == dtype:
+        return t.clone()
+    return t.to(dtype)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _file_of_each_key(folder: Path) -> dict[str, str]:
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+            raise HalfsafeError(f"{index} is not a valid safetensors index: re-download or re-save the checkpoint") from None
+        absent = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if absent:
+            raise HalfsafeError(f"{folder} is missing {absent[0]}, a weight shard its index names"
+                                f"{f' (and {len(absent) - 1} more)' if len(absent) > 1 else ''}: download every shard")
+        return dict(weight_map)
+    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for pattern in _PICKLED for p in folder.glob(pattern)]
+        if pickled:
+            raise HalfsafeError(
+                f"{folder} holds only pickled weights ({pickled[0]}); halfsafe never unpickles. Convert them once "
+                "with transformers: AutoModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
+        raise HalfsafeError(f"{folder} has no weights (*.safetensors): copy the weight files next to config.json")
+    out: dict[str, str] = {}
+    for name in files:
+        try:
+            with safe_open(folder / name, "pt") as f:
+                for key in f.keys():
+                    out.setdefault(key, name)
+        except (SafetensorError, OSError) as e:
+            raise HalfsafeError(f"{folder / name} is not a readable safetensors file ({_first_line(e)}): "
+                                "re-download or re-save the checkpoint") from None
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]

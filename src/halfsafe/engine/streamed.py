@@ -1,0 +1,324 @@
+"""A model whose weights stay in the checkpoint's shards and are loaded one unit at a time.
+
+The model is built on the meta device (buffers real, so rotary tables and embedding scales are what transformers
+computes); every *unit* (each repeated block, and each module outside the blocks that owns parameters: embeddings,
+final norm, head, a vision tower's patch embedding) gets a pre-hook that loads its parameters from the shards, in
+`dtype` on `device`, rescaled as the current rescale table says, and a hook that frees them again. The model's own
+forward then runs unchanged, for every architecture, holding one unit's weights (plus whatever `cache_bytes`
+allows to stay) and the activations of one sample.
+
+A rescale (`halfsafe.rewrite`) changes what the next load computes, never the stored tensors: `(1+w)` gains are
+computed afresh from the stored values each time, so trying and undoing a plan leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..errors import HalfsafeError
+from ..layers import find_blocks
+from ..precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
+from .shards import Shards
+
+STREAMED_ATTR = "_halfsafe_streamed"
+
+
+@dataclass
+class Slot:
+    """One place a parameter sits: `module._parameters[attr]` (a tied weight has two slots, one name)."""
+
+    module: nn.Module
+    attr: str
+
+
+@dataclass
+class Streamed:
+    model: PreTrainedModel
+    shards: Shards
+    key_of: dict[str, str]  # canonical parameter name -> checkpoint key
+    units: dict[str, list[tuple[Slot, str]]]  # unit module name -> its parameter slots and their canonical names
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    cache_bytes: int = 0  # loaded tensors kept beyond the running unit (0: only the running unit's)
+    rescale: dict[str, list] = field(default_factory=dict)  # param -> [(kind, exponent, select)], see rewrite
+    loads: int = 0  # tensors read from the shards so far (tests count them)
+    _placeholders: dict[str, nn.Parameter] = field(default_factory=dict)
+    _cache: "OrderedDict[str, torch.Tensor]" = field(default_factory=OrderedDict)
+    _handles: list = field(default_factory=list)
+    _strict: object = None
+    stem: list[str] = field(default_factory=list)  # units outside the blocks, held for a whole forward (see attach)
+    _depth: int = 0
+    _loaded: set = field(default_factory=set)  # units whose weights are in their modules now
+
+    # ----- what a unit sees
+    def tensor(self, name: str) -> torch.Tensor:
+        """The parameter `name` as the model computes with it now: stored value, rescaled, in `dtype`, on `device`."""
+        t = self._cache.get(name)
+        if t is not None:
+            self._cache.move_to_end(name)
+            return t
+        from ..rewrite import rescaled
+
+        self.loads += 1
+        t = rescaled(self.shards.load(self.key_of[name], torch.float32), self.rescale.get(name, ()))
+        keep_fp32 = self._strict is not None and self._strict.search(name)
+        t = t.to(self.device, torch.float32 if keep_fp32 else self.dtype)
+        self._cache[name] = t
+        return t
+
+    def original(self, name: str) -> torch.Tensor:
+        """The stored parameter in float32, untouched by any rescale (for measuring weights)."""
+        return self.shards.load(self.key_of[name], torch.float32)
+
+    def _onload(self, unit: str) -> None:
+        if unit in self._loaded:
+            return
+        with self.shards:
+            for slot, name in self.units[unit]:
+                slot.module._parameters[slot.attr] = nn.Parameter(self.tensor(name), requires_grad=False)
+        self._loaded.add(unit)
+        self._evict()
+
+    def _offload(self, unit: str) -> None:
+        if self._depth and unit in self.stem:
+            return  # held until the model's forward ends
+        for slot, name in self.units[unit]:
+            slot.module._parameters[slot.attr] = self._placeholders[name]
+        self._loaded.discard(unit)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop cached tensors no loaded unit holds, oldest first, down to `cache_bytes`."""
+        keep = {name for u in self._loaded for _, name in self.units[u]}
+        size = sum(t.numel() * t.element_size() for n, t in self._cache.items() if n not in keep)
+        for name in list(self._cache):
+            if size <= self.cache_bytes:
+                break
+            if name not in keep:
+                t = self._cache.pop(name)
+                size -= t.numel() * t.element_size()
+
+    # ----- changing what loads compute
+    def set_rescale(self, table: dict[str, list]) -> None:
+        self._require_idle()
+        self.rescale = {k: list(v) for k, v in table.items() if v}
+        self._cache.clear()
+
+    def _require_idle(self) -> None:
+        if self._loaded:
+            raise RuntimeError(f"cannot change a streamed model's weights while {sorted(self._loaded)[0]} is loaded")
+
+    def set_dtype(self, dtype: torch.dtype) -> dict:
+        """Compute in `dtype` from now on: placeholders report it, floating buffers are cast (rotary tables and
+        what transformers keeps in float32 stay). Returns what `restore_dtype` needs to undo it exactly."""
+        self._require_idle()
+        saved = {"dtype": self.dtype, "config": getattr(self.model.config, "dtype", None), "buffers": {}}
+        for name, p in self._placeholders.items():
+            if not (self._strict is not None and self._strict.search(name)):
+                p.data = torch.empty(p.shape, dtype=dtype, device="meta")
+        for module_name, module in self.model.named_modules():
+            for attr, b in list(module._buffers.items()):
+                full = f"{module_name}.{attr}" if module_name else attr
+                if b is None or not b.is_floating_point() or full.endswith(KEEP_FP32_BUFFERS) or b.dtype == dtype:
+                    continue
+                saved["buffers"][(id(module), attr)] = (module, b)
+                module._buffers[attr] = b.to(dtype)
+        self.dtype = dtype
+        self.model.config.dtype = dtype
+        self._cache.clear()
+        return saved
+
+    def restore_dtype(self, saved: dict) -> None:
+        for name, p in self._placeholders.items():
+            p.data = torch.empty(p.shape, dtype=saved["dtype"] if not (self._strict is not None and self._strict.search(name))
+                                 else p.dtype, device="meta")
+        for (_, attr), (module, b) in saved["buffers"].items():
+            module._buffers[attr] = b
+        self.dtype = saved["dtype"]
+        self.model.config.dtype = saved["config"]
+        self._cache.clear()
+
+    def _enter_model(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            for unit in self.stem:
+                self._onload(unit)
+
+    def _exit_model(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for unit in self.stem:
+                self._offload(unit)
+
+    def attach(self) -> "Streamed":
+        """Each unit loads around its own forward. The units outside the blocks (embeddings, head, norms: the stem)
+        load when the model's (or its base model's) forward starts and stay until it ends: some forwards read a
+        weight outside its module (Gemma 4 reads the pad token's embedding row directly)."""
+        roots = {id(m): m for m in (self.model, getattr(self.model, "base_model", None)) if m is not None}
+        for root in roots.values():
+            self._handles.append(root.register_forward_pre_hook(lambda m, a: self._enter_model()))
+            self._handles.append(root.register_forward_hook(lambda m, a, o: self._exit_model(), always_call=True))
+        for unit in self.units:
+            module = self.model.get_submodule(unit)
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: self._onload(u)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, u=unit: self._offload(u), always_call=True))
+        setattr(self.model, STREAMED_ATTR, self)
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def streamed_of(model: nn.Module) -> Streamed | None:
+    """The Streamed behind `model`, or None for an ordinary model whose weights are all in memory."""
+    return getattr(model, STREAMED_ATTR, None)
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where `model` computes: a streamed model's device (its parameters rest on meta), else its parameters'."""
+    s = streamed_of(model)
+    if s is not None:
+        return s.device
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def streamable_reason(model: PreTrainedModel, shards: Shards) -> str | None:
+    """Why this checkpoint cannot be read tensor by tensor into `model`'s parameters (None: it can). Checkpoints
+    whose tensors transformers renames, merges or splits on load (older layouts, per-expert MoE weights) are
+    loaded whole instead, by transformers itself."""
+    missing = [n for n in canonical_params(model) if _key_for(model, n, shards) is None]
+    if missing:
+        return f"{len(missing)} parameter(s) not stored under their own name (e.g. {missing[0]})"
+    return None
+
+
+def canonical_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())
+
+
+def saved_name(model: PreTrainedModel, name: str) -> str | None:
+    """The name transformers' save_pretrained gives parameter or buffer `name` (older layouts keep older names:
+    GPT-NeoX's `embed_out`, Gemma 3's `language_model.model.*`); None when saving splits or merges it (per-expert
+    MoE weights)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    t = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    out = revert_weight_conversion(model, {name: meta})
+    if len(out) != 1:
+        return None
+    (key, value), = out.items()
+    return key if tuple(value.shape) == tuple(t.shape) else None
+
+
+def _key_for(model: PreTrainedModel, name: str, shards: Shards) -> str | None:
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    candidates = [name, saved_name(model, name)]
+    if prefix and getattr(model, "base_model", None) is model:
+        candidates.append(prefix + name)  # a bare base model read from a checkpoint saved with its head
+    for key in candidates:
+        if key is not None and key in shards and tuple(shards.shape(key)) == tuple(model.get_parameter(name).shape):
+            return key
+    return None
+
+
+def build(config: PretrainedConfig, cls, shards: Shards, device: str | torch.device = "cpu", cache_bytes: int = 0) -> Streamed:
+    """The meta skeleton of `cls(config)` with its units hooked to load from `shards`. Raises HalfsafeError with
+    the reason when the checkpoint's layout needs transformers' own loader (see `streamable_reason`)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config, dtype=torch.float32)
+    model.tie_weights()
+    model.eval()
+    reason = streamable_reason(model, shards)
+    if reason:
+        raise HalfsafeError(f"cannot stream this checkpoint: {reason}")
+    params = canonical_params(model)
+    by_id = {id(p): n for n, p in params.items()}
+    _load_persistent_buffers(model, shards)
+    units = _units(model, by_id)
+    s = Streamed(model, shards, {n: _key_for(model, n, shards) for n in params}, units, torch.device(device),
+                 cache_bytes=cache_bytes)
+    s._placeholders = dict(params)
+    blocks = set(find_blocks(model))
+    s.stem = [u for u in units if u not in blocks]
+    s._strict = strict_fp32_pattern(model)
+    return s.attach()
+
+
+def _units(model: nn.Module, by_id: dict[int, str]) -> dict[str, list[tuple[Slot, str]]]:
+    """Blocks, then every other module that owns parameters directly (outside all blocks)."""
+    blocks = find_blocks(model)
+    units: dict[str, list[tuple[Slot, str]]] = {}
+    for b in blocks:
+        units[b] = [(Slot(m, a), by_id[id(p)]) for name, m in model.get_submodule(b).named_modules()
+                    for a, p in m._parameters.items() if p is not None]
+    inside = re.compile("|".join(re.escape(b) + r"(\.|$)" for b in blocks)) if blocks else None
+    for name, m in model.named_modules():
+        if inside is not None and inside.match(name):
+            continue
+        own = [(Slot(m, a), by_id[id(p)]) for a, p in m._parameters.items() if p is not None]
+        if own:
+            units[name] = own
+    return units
+
+
+def _load_persistent_buffers(model: nn.Module, shards: Shards) -> None:
+    """Buffers the checkpoint stores (position ids, some scales) as from_pretrained would set them."""
+    names = {n for n, _ in model.named_buffers()}
+    for key in shards.keys():
+        if key in names:
+            module_name, _, attr = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            b = module._buffers[attr]
+            module._buffers[attr] = shards.load(key, torch.float32 if b.is_floating_point() else None).to(b.dtype)
+
+
+class _Weights(dict):
+    """name -> float32 value of each parameter as the model holds it now (stored value, current rescale), read from the
+    shards on access: measuring every weight of a 27B model holds one at a time."""
+
+    def __init__(self, streamed: Streamed):
+        super().__init__()
+        self._s = streamed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from ..rewrite import rescaled
+
+        return rescaled(self._s.original(name), self._s.rescale.get(name, ()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._s.key_of
+
+
+def weights(model: nn.Module):
+    """Each parameter's current value by name: the parameters themselves for an in-memory model, values read on
+    access for a streamed one."""
+    s = streamed_of(model)
+    return dict(model.named_parameters()) if s is None else _Weights(s)
+
+
+@contextmanager
+def stem_held(model: nn.Module):
+    """Keep a streamed model's stem (embeddings, head) loaded across several calls, e.g. a head run on chunks of
+    positions after the body; a no-op for an in-memory model."""
+    s = streamed_of(model)
+    if s is None:
+        yield
+        return
+    s._enter_model()
+    try:
+        yield
+    finally:
+        s._exit_model()

@@ -1,0 +1,115 @@
+"""Write a streamed model as an fp16 checkpoint, one tensor at a time.
+
+Every tensor is read once from its source shard, rescaled by the current table, cast to float16 and written
+straight into its place in the output shard, so memory holds one tensor, whatever the model's size. The files are
+laid out as `safetensors.save_file` lays them out (header order, alignment, padding), sharded as transformers
+shards (`huggingface_hub.split_torch_state_dict_into_shards`, with an index), with tied weights stored once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from rich.progress import Progress
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from ..errors import HalfsafeError
+from .streamed import Streamed, saved_name
+
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
+_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+          torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+# safetensors orders a file's tensors by dtype (its enum, largest first), then by name
+_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
+
+
+def output_tensors(streamed: Streamed, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """name -> meta tensor of what save_pretrained would write: the state dict without tied copies, floating
+    tensors in `dtype` (persistent buffers included, as stored)."""
+    model = streamed.model
+    state = remove_tied_weights_from_state_dict(model.state_dict(keep_vars=True), model)
+    out = {}
+    for name, t in state.items():
+        out[name] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+    return out
+
+
+def saved_names(streamed: Streamed, names) -> dict[str, str]:
+    """model name -> the name save_pretrained stores it under."""
+    out = {}
+    for n in names:
+        key = saved_name(streamed.model, n)
+        if key is None:
+            raise HalfsafeError(f"internal error: {n} has no one-to-one saved name; this checkpoint should not stream")
+        out[n] = key
+    return out
+
+
+def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                  progress: bool = True, dtype: torch.dtype = torch.float16) -> list[str]:
+    """Write the rescaled weights into `folder` (shards and index as transformers writes them); returns the
+    names of weights that came out non-finite (none, for a valid plan)."""
+    model_layout = output_tensors(streamed, dtype)
+    stored = saved_names(streamed, model_layout)
+    layout = {stored[n]: t for n, t in model_layout.items()}
+    name_of = {v: k for k, v in stored.items()}
+    split = split_torch_state_dict_into_shards(layout, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
+    params = dict(streamed.model.named_parameters())
+    buffers = dict(streamed.model.named_buffers())
+    bad: list[str] = []
+    saved = streamed.dtype, streamed.device
+    streamed.dtype, streamed.device = torch.float32, torch.device("cpu")  # rescale in float32, then cast: as .half() would
+    streamed._cache.clear()
+    try:
+        with Progress(transient=True, disable=not progress) as bar:
+            task = bar.add_task("Writing float16 weights", total=len(layout))
+            for filename, names in split.filename_to_tensors.items():
+                _write_file(folder / filename, {n: layout[n] for n in names}, lambda n: _value(streamed, params, buffers, name_of[n], dtype, bad),
+                            lambda: bar.advance(task))
+    finally:
+        streamed.dtype, streamed.device = saved
+        streamed._cache.clear()
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return bad
+
+
+def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: torch.dtype, bad: list) -> torch.Tensor:
+    if name in params:
+        with streamed.shards:
+            t = streamed.tensor(name)
+        streamed._cache.clear()
+    else:
+        t = buffers[name]
+    if t.is_floating_point():
+        if not torch.isfinite(t).all():
+            bad.append(name)
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> None:
+    """One safetensors file, header first, then each tensor's bytes as it is computed."""
+    order = sorted(layout, key=lambda n: (-_ORDER.index(_NAMES[layout[n].dtype]), n))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for n in order:
+        size = layout[n].numel() * layout[n].element_size()
+        header[n] = {"dtype": _NAMES[layout[n].dtype], "shape": list(layout[n].shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for n in order:
+            t = value(n)
+            if tuple(t.shape) != tuple(layout[n].shape) or t.dtype != layout[n].dtype:
+                raise HalfsafeError(f"internal error: {n} is {tuple(t.shape)} {t.dtype}, expected {tuple(layout[n].shape)}")
+            f.write(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            advance()

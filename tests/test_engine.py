@@ -1,0 +1,153 @@
+"""The block-by-block engine (halfsafe.engine): a streamed model computes, rescales and writes exactly what the
+whole model in memory does, holding one unit's weights at a time; bad checkpoints fail before any work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from halfsafe.checkpoint import save_fp16_checkpoint
+from halfsafe.engine.streamed import streamed_of
+from halfsafe.errors import HalfsafeError
+from halfsafe.families import family_for
+from halfsafe.forward import logits
+from halfsafe.groups import expand
+from halfsafe.loading import load_model
+from halfsafe.precision import in_dtype
+from halfsafe.rewrite import apply_exponents_, trial
+from tests.tiny import TINY, random_exponents, save_tiny, tiny_ids
+
+# transformers stores these experts one tensor each and merges them on load: the engine loads them whole (renamed
+# layouts, such as GPT-NeoX's embed_out or Gemma 3's language_model.*, stream)
+LOADED_WHOLE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
+
+
+def _pair(key: str, folder: Path):
+    save_tiny(key, folder)
+    return load_model(folder).model, load_model(folder, stream=True).model
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def pair(request, tmp_path_factory):
+    key = request.param
+    whole, streamed = _pair(key, tmp_path_factory.mktemp(key.replace("/", "_")))
+    return key, whole, streamed
+
+
+def test_streams_every_family_whose_checkpoint_maps_one_to_one(pair):
+    key, whole, streamed = pair
+    assert (streamed_of(streamed) is None) == (key in LOADED_WHOLE), "stream layout decision changed"
+    if streamed_of(streamed) is not None:
+        assert all(p.device.type == "meta" for p in streamed.parameters()), "a streamed model holds no weights at rest"
+
+
+def test_streamed_model_computes_bit_identical_logits_fp32_and_fp16(pair):
+    key, whole, streamed = pair
+    if streamed_of(streamed) is None:
+        pytest.skip("loaded whole")
+    ids = tiny_ids(whole, 12)
+    assert torch.equal(logits(whole, ids), logits(streamed, ids))
+    with in_dtype(whole, torch.float16) as a, in_dtype(streamed, torch.float16) as b:
+        assert torch.equal(logits(a, ids), logits(b, ids), ), "fp16 runs differ"
+    assert next(streamed.parameters()).dtype == torch.float32, "in_dtype restored the placeholders"
+
+
+def test_trial_on_streamed_model_matches_in_memory_rescale_and_undoes(pair):
+    key, whole, streamed = pair
+    if streamed_of(streamed) is None:
+        pytest.skip("loaded whole")
+    family = family_for(whole.config.model_type)
+    exps = random_exponents(expand(family, whole), seed=3)
+    ids = tiny_ids(whole, 12)
+    before = logits(streamed, ids)
+    with trial(whole, family, expand(family, whole), exps), trial(streamed, family, expand(family, streamed), exps):
+        assert torch.equal(logits(whole, ids), logits(streamed, ids))
+        assert streamed_of(streamed).rescale, "the rescale table is set during the trial"
+    assert not streamed_of(streamed).rescale
+    assert torch.equal(logits(streamed, ids), before)
+
+
+def test_streamed_write_is_bit_identical_to_whole_model_save(pair, tmp_path):
+    key, whole, streamed = pair
+    family = family_for(whole.config.model_type)
+    exps = random_exponents(expand(family, whole), seed=5, choices=(-2, -1, 1))
+    apply_exponents_(whole, family, expand(family, whole), exps)
+    apply_exponents_(streamed, family, expand(family, streamed), exps)
+    try:
+        save_fp16_checkpoint(whole, None, tmp_path / "whole", {})
+        save_fp16_checkpoint(streamed, None, tmp_path / "streamed", {})
+    finally:
+        apply_exponents_(whole, family, expand(family, whole), {k: -v for k, v in exps.items()})
+        apply_exponents_(streamed, family, expand(family, streamed), {k: -v for k, v in exps.items()})
+    assert whole.dtype == torch.float32, "saving left the caller's model as it was"
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "streamed")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    if streamed_of(streamed) is not None:
+        assert (tmp_path / "whole/model.safetensors").read_bytes() == (tmp_path / "streamed/model.safetensors").read_bytes()
+    ca, cb = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("whole", "streamed"))
+    assert ca == cb
+
+
+def test_one_unit_resident_at_a_time(tmp_path):
+    whole, streamed = _pair("llama", tmp_path)
+    s = streamed_of(streamed)
+    loaded_now = []
+
+    def count(*_):
+        loaded_now.append(sum(p.numel() for p in streamed.parameters() if p.device.type != "meta"))
+
+    for name in s.units:
+        streamed.get_submodule(name).register_forward_hook(count)
+    logits(streamed, tiny_ids(whole, 8))
+    size = {u: sum(p.numel() for p in streamed.get_submodule(u).parameters()) for u in s.units}
+    stem = sum(p.numel() for n, p in whole.named_parameters() if not n.startswith("model.layers."))
+    block = max(size[u] for u in s.units if u.startswith("model.layers."))
+    assert loaded_now and max(loaded_now) <= stem + block < sum(p.numel() for p in whole.parameters())
+    assert all(p.device.type == "meta" for p in streamed.parameters()), "everything freed after the forward"
+    assert s.loads == len(list(whole.parameters())), "each weight read once per forward (a tied one once)"
+
+
+def test_sharded_output_with_index_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    whole, streamed = _pair("llama", tmp_path / "src")
+    save_fp16_checkpoint(streamed, None, tmp_path / "out", {}, max_shard_size=20_000)
+    index = json.loads((tmp_path / "out/model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float16)
+    ids = tiny_ids(whole, 8)
+    with in_dtype(whole, torch.float16) as half:
+        assert torch.equal(logits(again, ids), logits(half, ids))
+    streamed_again = load_model(tmp_path / "out", stream=True).model  # a sharded folder streams too
+    assert streamed_of(streamed_again) is not None
+
+
+def test_bad_checkpoints_fail_in_one_line(tmp_path):
+    save_tiny("llama", tmp_path / "m")
+    whole = load_model(tmp_path / "m").model
+    whole.save_pretrained(tmp_path / "sharded", max_shard_size=20_000)
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    shards[1].unlink()
+    with pytest.raises(HalfsafeError, match="missing model-00002"):
+        load_model(tmp_path / "sharded", stream=True)
+    (tmp_path / "m/model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(HalfsafeError, match="not a readable safetensors file"):
+        load_model(tmp_path / "m", stream=True)
+    (tmp_path / "m/model.safetensors").unlink()
+    torch.save({}, tmp_path / "m/pytorch_model.bin")
+    with pytest.raises(HalfsafeError, match="never unpickles"):
+        load_model(tmp_path / "m")
