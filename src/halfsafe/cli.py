@@ -125,7 +125,7 @@ def cmd_demo(args) -> int:
 
     out = Path(args.out) if args.out else cache_dir() / "demo" / f"{DEFAULT_MODEL}-fp16"
     console.rule(f"1/3  halfsafe scan {DEFAULT_MODEL}")
-    loaded = load_model(DEFAULT_MODEL)
+    loaded = load_model(DEFAULT_MODEL, stream=True)
     samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, 512, 8)
     scan_tables(scan(loaded.model, samples, fp16_check=True, name=DEFAULT_MODEL), console, top=6)
     del loaded
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
-    p.add_argument("--max-shard-size", default="50GB", help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
+    p.add_argument("--max-shard-size", default="50GB", type=lambda v: int(v) if v.isdigit() else v, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
     _engine_options(p)
     p.set_defaults(func=cmd_convert)
 

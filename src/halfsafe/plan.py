@@ -69,8 +69,14 @@ def _weight_constraint(site: str, t: torch.Tensor, entries: list) -> list[Constr
     for g, m in entries:
         powers[g] = powers.get(g, 0) + m.power
     kind = entries[0][1].kind
-    peak = float((1 + t.double()).abs().max()) if kind == GAIN1P else float(t.abs().max()) if t.numel() else 0.0
+    peak = float((1 + t.double()).abs().max()) if kind == GAIN1P else _abs_max(t) if t.numel() else 0.0
     return [Constraint(site, math.log2(peak), {k: v for k, v in powers.items() if v})] if peak > 0 else []
+
+
+def _abs_max(t: torch.Tensor) -> float:
+    """max |t| without a full-size temporary (a 168M-entry embedding would need 0.7 GB for t.abs())."""
+    low, high = torch.aminmax(t.detach())
+    return max(float(high), -float(low))
 
 
 def _overlap(a, b) -> bool:

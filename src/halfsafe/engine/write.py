@@ -87,10 +87,13 @@ def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: to
     else:
         t = buffers[name]
     if t.is_floating_point():
-        if not torch.isfinite(t).all():
+        if not all(torch.isfinite(c).all() for c in t.view(-1).split(_CHUNK)):
             bad.append(name)
-        t = t.to(dtype)
+        t = t.to(dtype)  # the float32 value is freed here: one tensor and its fp16 copy at most
     return t.contiguous()
+
+
+_CHUNK = 1 << 24
 
 
 def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> None:
@@ -111,5 +114,6 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
             t = value(n)
             if tuple(t.shape) != tuple(layout[n].shape) or t.dtype != layout[n].dtype:
                 raise HalfsafeError(f"internal error: {n} is {tuple(t.shape)} {t.dtype}, expected {tuple(layout[n].shape)}")
-            f.write(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                f.write(t.view(-1).view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
             advance()
