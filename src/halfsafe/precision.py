@@ -56,18 +56,21 @@ def in_dtype(model: nn.Module, dtype: torch.dtype):
     """`with in_dtype(model, torch.float16) as half: half(...)`: the model computing in `dtype` as
     `from_pretrained(..., dtype=dtype)` would, for the duration. An in-memory model gets a `cast_copy` (freed
     after); a streamed one (halfsafe.engine) loads its units in `dtype` and is restored after."""
+    from .engine.device import exact_fp16_reductions
     from .engine.streamed import streamed_of
 
     streamed = streamed_of(model)
     if streamed is None:
         half = cast_copy(model, dtype)
         try:
-            yield half
+            with exact_fp16_reductions():
+                yield half
         finally:
             del half
         return
     saved = streamed.set_dtype(dtype)
     try:
-        yield model
+        with exact_fp16_reductions():
+            yield model
     finally:
         streamed.restore_dtype(saved)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..errors import HalfsafeError
@@ -19,3 +21,16 @@ def resolve_device(device: str = "auto") -> str:
         raise HalfsafeError(f"--device {device}: torch sees no CUDA GPU here (torch {torch.__version__}); use --device cpu "
                             "or install a CUDA build of torch")
     return str(device)
+
+
+@contextmanager
+def exact_fp16_reductions():
+    """fp16 matmuls on CUDA may reduce in fp16 by default (cuBLAS); an fp16 trial must see what a careful runtime
+    computes, so reductions stay fp32 for the duration (no effect on CPU)."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_fp16_reduced_precision_reduction
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction = saved

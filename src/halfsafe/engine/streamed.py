@@ -247,6 +247,7 @@ def build(config: PretrainedConfig, cls, shards: Shards, device: str | torch.dev
     params = canonical_params(model)
     by_id = {id(p): n for n, p in params.items()}
     _load_persistent_buffers(model, shards)
+    _buffers_to(model, torch.device(device))
     units = _units(model, by_id)
     s = Streamed(model, shards, {n: _key_for(model, n, shards) for n in params}, units, torch.device(device),
                  cache_bytes=cache_bytes)
@@ -272,6 +273,16 @@ def _units(model: nn.Module, by_id: dict[int, str]) -> dict[str, list[tuple[Slot
         if own:
             units[name] = own
     return units
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Buffers (rotary tables, scales) live where the units compute; parameters stay on meta until loaded."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        for attr, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[attr] = b.to(device)
 
 
 def _load_persistent_buffers(model: nn.Module, shards: Shards) -> None:
