@@ -479,13 +479,13 @@ def _check_converted(converted: str | Path, original: PreTrainedModel):
 
 def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrainedModel:
     """The converted checkpoint in float16, every module float16 (transformers' fp32 islands turned off)."""
-    from .loading import _quiet_transformers, model_class_for
+    from .loading import model_class_for, quiet_transformers
     from .runtime import load_pure_fp16
 
     folder = Path(converted).expanduser()
     config = _check_converted(converted, original)
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = load_pure_fp16(model_class_for(config), folder, local_files_only=True)
     except Exception as e:
         raise HalfsafeError(f"could not load the converted checkpoint in {folder} ({str(e).splitlines()[0][:200]})") from None
