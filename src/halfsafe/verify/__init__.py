@@ -33,14 +33,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import __version__
-from .errors import HalfsafeError
-from .formats import FP16_MAX
-from .forward import is_encoder_decoder
-from .forward import logits as forward_logits
-from .layers import find_blocks
-from .metrics import kl_per_token
-from .precision import cast_copy
+from .. import __version__
+from ..errors import HalfsafeError
+from ..formats import FP16_MAX
+from ..forward import is_encoder_decoder
+from ..forward import logits as forward_logits
+from ..layers import find_blocks
+from ..metrics import kl_per_token
+from ..precision import cast_copy
 
 REFERENCE = "fp32"
 BF16, FP16, CLAMP, FP32_RESIDUAL = "bf16", "fp16", "fp16 clamp", "fp16 + fp32 residual"
@@ -383,7 +383,7 @@ class _Inputs:
 
 
 def _prepare(texts: list[str], names: list[str], tokenizer, vocab: int, seq_len: int, max_samples: int | None, prompt_tokens: int) -> _Inputs:
-    from .calibration import make_samples
+    from ..calibration import make_samples
 
     samples = [make_samples([t], tokenizer, vocab, seq_len, max_samples) for t in texts]
     prompts = [s[0][:, :prompt_tokens] for s in samples]
@@ -463,7 +463,7 @@ class _Runner:
 
 def _check_converted(converted: str | Path, original: PreTrainedModel):
     """The converted folder's config, if it is a checkpoint of the original's architecture (checked up front)."""
-    from .loading import read_config
+    from ..loading import read_config
 
     folder = Path(converted).expanduser()
     if not folder.is_dir():
@@ -479,8 +479,8 @@ def _check_converted(converted: str | Path, original: PreTrainedModel):
 
 def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrainedModel:
     """The converted checkpoint in float16, every module float16 (transformers' fp32 islands turned off)."""
-    from .loading import model_class_for, quiet_transformers
-    from .runtime import load_pure_fp16
+    from ..loading import model_class_for, quiet_transformers
+    from ..runtime import load_pure_fp16
 
     folder = Path(converted).expanduser()
     config = _check_converted(converted, original)
@@ -547,8 +547,8 @@ def verify(
     generated from the first `prompt_tokens` tokens of each text (0: skip). `variants`: a subset of
     ALL_VARIANTS (the fp32 reference always runs). `progress`: called with a short status line.
     """
-    from .calibration import heldout_text
-    from .loading import load_model
+    from ..calibration import heldout_text
+    from ..loading import load_model
 
     progress = progress or (lambda msg: None)
     name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -645,8 +645,8 @@ class _exact_fp16_reductions:
 
 def _run_patched(runner: _Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:
     """Run `variant` on `model` (the right dtype already), with its run-time patch on for the duration."""
-    from .baselines import clamp_residual_adds
-    from .runtime import RuntimeHandle, keep_residual_fp32
+    from ..baselines import clamp_residual_adds
+    from ..runtime import RuntimeHandle, keep_residual_fp32
 
     try:
         if variant.name == CLAMP:
@@ -666,7 +666,7 @@ def write_plots(report: VerifyReport, path: str | Path) -> list[Path]:
     """PATH: KL(fp32 || variant) per token as bars on a log axis (a non-finite variant gets a label, no bar).
     PATH with `-layers` before the suffix: residual peak per block, original (fp32 run) and converted (fp16
     run), against the fp16 limit."""
-    from .plots import plot_bars, plot_layer_peaks
+    from ..plots import plot_bars, plot_layer_peaks
 
     path = Path(path)
     bars = {}
