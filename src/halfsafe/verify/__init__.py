@@ -267,9 +267,11 @@ class _BlockPeaks:
             h.remove()
 
 
-def _is_lm(model: PreTrainedModel) -> bool:
-    """Logits over the vocabulary that predict the next token (causal LM) or the teacher-forced target."""
-    return is_encoder_decoder(model) or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+def _predicts_tokens(model: PreTrainedModel) -> bool:
+    """Whether the logits are over the vocabulary (an output embedding) and predict the next token or the
+    teacher-forced target (the model generates): only then is a perplexity meaningful. Masked LMs have the
+    first without the second; classifiers and headless models have neither."""
+    return model.get_output_embeddings() is not None and model.can_generate()
 
 
 @torch.no_grad()
@@ -407,7 +409,7 @@ class _Runner:
     @torch.no_grad()
     def run(self, model: PreTrainedModel, variant: Variant) -> VariantResult:
         reference = variant.name == REFERENCE
-        lm = _is_lm(model)
+        lm = _predicts_tokens(model)
         encdec = is_encoder_decoder(model)
         device = model.device
         peaks = _BlockPeaks(model, self.blocks)
