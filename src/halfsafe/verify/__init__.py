@@ -21,7 +21,6 @@ import math
 import platform
 import tempfile
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,8 +28,6 @@ from typing import Callable
 import torch
 import transformers
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers import GenerationConfig, PreTrainedModel
 
 from .. import __version__
@@ -41,6 +38,8 @@ from ..forward import logits as forward_logits
 from ..layers import find_blocks
 from ..metrics import kl_per_token
 from ..precision import cast_copy
+from .block_peaks import BlockPeaks
+from .memory import parameter_bytes, peak_memory
 
 REFERENCE = "fp32"
 BF16, FP16, CLAMP, FP32_RESIDUAL = "bf16", "fp16", "fp16 clamp", "fp16 + fp32 residual"
@@ -167,104 +166,6 @@ class VerifyReport:
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------
-
-
-class _LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensors allocated (and still alive) while active: every op output whose storage is new is
-    counted until its last tensor dies; views and in-place results of such tensors count once; views of memory
-    made outside (weights, inputs) not at all. Kernel-internal scratch buffers are not seen."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, list[int]] = {}  # storage data_ptr -> [bytes, tensors referring to it]
-        self.current = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._track(t, inputs)
-        return out
-
-    def _track(self, t: torch.Tensor, inputs: set) -> None:
-        key = _storage_key(t)
-        if key is None:
-            return
-        entry = self.live.get(key)
-        if entry is None:
-            if key in inputs:
-                return  # a view of memory this mode did not see allocated
-            nbytes = t.untyped_storage().nbytes()
-            entry = self.live[key] = [nbytes, 0]
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        entry[1] += 1
-        weakref.finalize(t, self._release, key)
-
-    def _release(self, key: int) -> None:
-        entry = self.live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.live[key]
-            self.current -= entry[0]
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return st.data_ptr() if st.nbytes() else None
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    seen, total = set(), 0
-    for t in (*model.parameters(), *model.buffers()):
-        key = _storage_key(t)
-        if key is not None and key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def _peak_memory(run: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int, str]:
-    """Run `run()`; return its output and the peak bytes it allocated beyond what existed before."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = run()
-        torch.cuda.synchronize(device)
-        return out, torch.cuda.max_memory_allocated(device) - before, "torch.cuda.max_memory_allocated"
-    with _LiveTensorBytes() as tracker:
-        out = run()
-    return out, tracker.peak, "live tensor bytes (dispatch-level tracking)"
-
-
-class _BlockPeaks:
-    """Forward hooks: |x| max of each block's output (the residual stream after that block)."""
-
-    def __init__(self, model: nn.Module, blocks: list[str]) -> None:
-        modules = dict(model.named_modules())
-        self.peaks = [0.0] * len(blocks)
-        self.handles = [modules[b].register_forward_hook(self._hook(i)) for i, b in enumerate(blocks) if b in modules]
-
-    def _hook(self, i: int):
-        def hook(module, args, out):
-            x = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-                v = float(x.detach().abs().max())
-                self.peaks[i] = math.inf if not math.isfinite(v) else max(self.peaks[i], v)
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def _predicts_tokens(model: PreTrainedModel) -> bool:
@@ -412,7 +313,7 @@ class _Runner:
         lm = _predicts_tokens(model)
         encdec = is_encoder_decoder(model)
         device = model.device
-        peaks = _BlockPeaks(model, self.blocks)
+        peaks = BlockPeaks(model, self.blocks)
         overall, per_text, greedy_all = _Accumulator(lm), [], []
         seconds, tokens, peak_act, method = 0.0, 0, 0, ""
         try:
@@ -426,7 +327,7 @@ class _Runner:
 
                     start = time.perf_counter()
                     if t == 0 and s == 0:
-                        out, peak_act, method = _peak_memory(forward, device)
+                        out, peak_act, method = peak_memory(forward, device)
                     else:
                         out = forward()
                     seconds += time.perf_counter() - start
