@@ -21,6 +21,7 @@ import math
 import platform
 import tempfile
 import time
+from itertools import groupby
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,33 +41,10 @@ from ..metrics import kl_per_token
 from ..precision import cast_copy
 from .block_peaks import BlockPeaks
 from .memory import parameter_bytes, peak_memory
-
-REFERENCE = "fp32"
-BF16, FP16, CLAMP, FP32_RESIDUAL = "bf16", "fp16", "fp16 clamp", "fp16 + fp32 residual"
-HALFSAFE, HALFSAFE_FP32_RESIDUAL = "halfsafe fp16", "halfsafe fp16 + fp32 residual"
-BASELINES = (BF16, FP16, CLAMP, FP32_RESIDUAL)
-CONVERTED = (HALFSAFE, HALFSAFE_FP32_RESIDUAL)
-ALL_VARIANTS = (REFERENCE, *BASELINES, *CONVERTED)
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    dtype: str  # weight dtype
-    custom_runtime: bool  # needs code beyond plain transformers at run time
-    converted: bool  # built from the converted checkpoint
-    description: str
-
-
-VARIANTS = {
-    REFERENCE: Variant(REFERENCE, "float32", False, False, "the original in float32: the reference"),
-    BF16: Variant(BF16, "bfloat16", False, False, "the original cast to bfloat16"),
-    FP16: Variant(FP16, "float16", False, False, "the original cast to float16"),
-    CLAMP: Variant(CLAMP, "float16", True, False, "float16, each residual add clamped to +-32752 (fp16 ONNX exports of Gemma 3)"),
-    FP32_RESIDUAL: Variant(FP32_RESIDUAL, "float16", True, False, "float16 weights and matmuls, residual stream in float32"),
-    HALFSAFE: Variant(HALFSAFE, "float16", False, True, "the halfsafe-converted checkpoint in float16"),
-    HALFSAFE_FP32_RESIDUAL: Variant(HALFSAFE_FP32_RESIDUAL, "float16", True, True, "the converted checkpoint, residual stream in float32"),
-}
+from .variants import (
+    ALL_VARIANTS, BASELINES, BF16, CLAMP, CONVERTED, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, VARIANTS,
+    Variant,
+)
 
 
 @dataclass
@@ -114,7 +92,7 @@ class VariantResult:
 
     def to_dict(self) -> dict:
         return {
-            **asdict(self.variant),
+            **self.variant.to_dict(),
             "overall": self.overall.to_dict(),
             "per_text": [m.to_dict() for m in self.per_text],
             "parameter_bytes": self.parameter_bytes,
@@ -307,9 +285,16 @@ class _Runner:
     def _ref_path(self, t: int, s: int) -> Path:
         return self.ref_dir / f"ref-{t}-{s}.pt"
 
-    @torch.no_grad()
+    def run_reference(self, model: PreTrainedModel, variant: Variant) -> VariantResult:
+        """Run the reference and store its logits and greedy tokens: every later run is compared to them."""
+        return self._run(model, variant, reference=True)
+
     def run(self, model: PreTrainedModel, variant: Variant) -> VariantResult:
-        reference = variant.name == REFERENCE
+        """Run `model` and compare it with the stored reference."""
+        return self._run(model, variant, reference=False)
+
+    @torch.no_grad()
+    def _run(self, model: PreTrainedModel, variant: Variant, reference: bool) -> VariantResult:
         lm = _predicts_tokens(model)
         encdec = is_encoder_decoder(model)
         device = model.device
@@ -473,11 +458,10 @@ def verify(
     if converted is not None and not isinstance(converted, nn.Module):
         _check_converted(converted, original)  # fail before the slow part
     if converted is None:
-        for v in CONVERTED:
-            if v in wanted:
-                wanted.remove(v)
-                if variants is not None:
-                    skipped[v] = "no converted checkpoint given"
+        for v in [v for v in wanted if VARIANTS[v].converted]:
+            wanted.remove(v)
+            if variants is not None:
+                skipped[v] = "no converted checkpoint given"
     if texts is None:
         texts, text_names = [heldout_text()], ["held-out text (embedded)"]
     text_names = text_names or [f"text {i + 1}" for i in range(len(texts))]
@@ -489,30 +473,15 @@ def verify(
     results: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, _exact_fp16_reductions(dev):
         runner = _Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
-        results.append(runner.run(original, VARIANTS[REFERENCE]))
-        for dtype, group in ((torch.bfloat16, (BF16,)), (torch.float16, (FP16, CLAMP, FP32_RESIDUAL))):
-            todo = [v for v in group if v in wanted]
-            if not todo:
-                continue
-            copy = cast_copy(original, dtype).eval()
+        results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
+        todo = [VARIANTS[v] for v in ALL_VARIANTS if v in wanted and v != REFERENCE]
+        for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
+            built = _build(original, converted, from_converted, dtype, progress)
             try:
-                for v in todo:
-                    _run_patched(runner, copy, VARIANTS[v], results, skipped)
+                for variant in group:
+                    _run_patched(runner, built, variant, results, skipped)
             finally:
-                del copy
-                gc.collect()
-        todo = [v for v in CONVERTED if v in wanted]
-        if todo:
-            progress("loading the converted checkpoint")
-            if isinstance(converted, nn.Module):  # a model object: run it in float16 whatever dtype it came in
-                conv = converted if next(converted.parameters()).dtype == torch.float16 else cast_copy(converted, torch.float16).eval()
-            else:
-                conv = _load_converted(converted, original)
-            try:
-                for v in todo:
-                    _run_patched(runner, conv, VARIANTS[v], results, skipped)
-            finally:
-                del conv
+                del built
                 gc.collect()
     return VerifyReport(
         model=name,
@@ -546,18 +515,21 @@ class _exact_fp16_reductions:
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = self.saved
 
 
+def _build(original: PreTrainedModel, converted, from_converted: bool, dtype: torch.dtype, progress) -> PreTrainedModel:
+    """The model a group of variants runs on: the original cast to `dtype`, or the converted checkpoint (a
+    folder is loaded in float16; a model object is cast to `dtype` unless it is in it already)."""
+    if not from_converted:
+        return cast_copy(original, dtype).eval()
+    progress("loading the converted checkpoint")
+    if isinstance(converted, nn.Module):
+        return converted if next(converted.parameters()).dtype == dtype else cast_copy(converted, dtype).eval()
+    return _load_converted(converted, original)
+
+
 def _run_patched(runner: _Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:
     """Run `variant` on `model` (the right dtype already), with its run-time patch on for the duration."""
-    from ..baselines import clamp_residual_adds
-    from ..runtime import RuntimeHandle, keep_residual_fp32
-
     try:
-        if variant.name == CLAMP:
-            handle = clamp_residual_adds(model)
-        elif variant.name in (FP32_RESIDUAL, HALFSAFE_FP32_RESIDUAL):
-            handle = keep_residual_fp32(model)
-        else:
-            handle = RuntimeHandle()
+        handle = variant.patch(model)
     except HalfsafeError as e:
         skipped[variant.name] = str(e)
         return
