@@ -18,129 +18,33 @@ from __future__ import annotations
 
 import gc
 import math
-import platform
 import tempfile
 import time
 from itertools import groupby
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import transformers
 from torch import nn
 from transformers import GenerationConfig, PreTrainedModel
 
-from .. import __version__
 from ..errors import HalfsafeError
-from ..formats import FP16_MAX
 from ..forward import is_encoder_decoder
 from ..forward import logits as forward_logits
 from ..layers import find_blocks
-from ..metrics import kl_per_token
 from ..precision import cast_copy
 from .block_peaks import BlockPeaks
+from .accumulator import Accumulator, matched_prefix
+from .accumulator import Accumulator as _Accumulator  # noqa: F401
+from .accumulator import matched_prefix as _matched_prefix  # noqa: F401
+from .accumulator import nll_sum as _nll_sum  # noqa: F401
 from .memory import parameter_bytes, peak_memory
+from .report import Metrics, VariantResult, VerifyReport, environment, markdown_table
 from .variants import (
     ALL_VARIANTS, BASELINES, BF16, CLAMP, CONVERTED, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, VARIANTS,
     Variant,
 )
-
-
-@dataclass
-class Metrics:
-    """Fidelity of one variant on some tokens (one text, or all of them)."""
-
-    positions: int = 0  # logit rows compared
-    nonfinite_logits: int = 0
-    nonfinite_positions: int = 0  # rows with any inf/NaN
-    kl_mean: float = 0.0  # mean KL(fp32 || variant) per position, nats (NaN if any row is non-finite)
-    top1: float = 0.0  # fraction of positions whose argmax matches fp32's
-    perplexity: float | None = None  # exp(mean next-token NLL) of the text under this variant (None: not an LM)
-    max_abs_logit_error: float = 0.0  # max |logit - fp32 logit| (NaN/inf if any logit is non-finite)
-    greedy_matched: int | None = None  # generated tokens equal to fp32's before the first difference, summed
-    greedy_total: int | None = None  # tokens generated (per prompt x prompts)
-
-    @property
-    def greedy_fraction(self) -> float | None:
-        return self.greedy_matched / self.greedy_total if self.greedy_total else None
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "greedy_fraction": self.greedy_fraction}
-
-
-@dataclass
-class VariantResult:
-    variant: Variant
-    overall: Metrics
-    per_text: list[Metrics]
-    parameter_bytes: int
-    peak_activation_bytes: int  # tensors live at once during one forward pass (first sample), beyond the weights
-    memory_method: str
-    layer_peaks: list[float]  # residual |x| max after each block (inf where non-finite), over all samples
-    greedy_tokens: list[list[int]]  # per text
-    forward_seconds: float  # all forward passes (not generation)
-    forward_tokens: int
-
-    @property
-    def name(self) -> str:
-        return self.variant.name
-
-    @property
-    def forward_tokens_per_s(self) -> float:
-        return self.forward_tokens / self.forward_seconds if self.forward_seconds > 0 else math.nan
-
-    def to_dict(self) -> dict:
-        return {
-            **self.variant.to_dict(),
-            "overall": self.overall.to_dict(),
-            "per_text": [m.to_dict() for m in self.per_text],
-            "parameter_bytes": self.parameter_bytes,
-            "peak_activation_bytes": self.peak_activation_bytes,
-            "memory_method": self.memory_method,
-            "layer_peaks": self.layer_peaks,
-            "greedy_tokens": self.greedy_tokens,
-            "forward_seconds": self.forward_seconds,
-            "forward_tokens_per_s": self.forward_tokens_per_s,
-        }
-
-
-@dataclass
-class VerifyReport:
-    model: str
-    converted: str | None
-    model_type: str
-    texts: list[dict]  # name, samples, tokens
-    seq_len: int
-    greedy_tokens: int
-    prompt_tokens: int
-    layers: list[str]
-    results: list[VariantResult]
-    skipped: dict[str, str] = field(default_factory=dict)  # variant -> why
-    environment: dict = field(default_factory=dict)
-
-    def result(self, name: str) -> VariantResult:
-        for r in self.results:
-            if r.name == name:
-                return r
-        raise KeyError(f"no variant {name!r} in this report (have: {', '.join(r.name for r in self.results)})")
-
-    def to_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "converted": self.converted,
-            "model_type": self.model_type,
-            "texts": self.texts,
-            "seq_len": self.seq_len,
-            "greedy_tokens": self.greedy_tokens,
-            "prompt_tokens": self.prompt_tokens,
-            "reference": REFERENCE,
-            "fp16_max": FP16_MAX,
-            "layers": self.layers,
-            "variants": [r.to_dict() for r in self.results],
-            "skipped": self.skipped,
-            "environment": self.environment,
-        }
 
 
 # --- measuring ---------------------------------------------------------------------------------------------------
@@ -151,88 +55,6 @@ def _predicts_tokens(model: PreTrainedModel) -> bool:
     teacher-forced target (the model generates): only then is a perplexity meaningful. Masked LMs have the
     first without the second; classifiers and headless models have neither."""
     return model.get_output_embeddings() is not None and model.can_generate()
-
-
-@torch.no_grad()
-def _nll_sum(logits: torch.Tensor, ids: torch.Tensor, encoder_decoder: bool, chunk: int = 64) -> tuple[float, int]:
-    """Sum of next-token negative log-likelihoods (float64) and how many tokens it covers."""
-    logits, ids = logits[0], ids[0].to(logits.device)
-    if not encoder_decoder:  # position i predicts token i+1; teacher-forced decoders predict token i at i
-        logits, ids = logits[:-1], ids[1:]
-    total = 0.0
-    for lo, tgt in zip(logits.split(chunk), ids.split(chunk)):
-        lo = lo.double()
-        total += float((torch.logsumexp(lo, -1) - lo.gather(-1, tgt[:, None])[:, 0]).sum())
-    return total, int(ids.numel())
-
-
-class _Accumulator:
-    def __init__(self, lm: bool) -> None:
-        self.lm = lm
-        self.positions = self.nonfinite_logits = self.nonfinite_positions = self.top1_hits = self.nll_tokens = 0
-        self.kl_sum = self.nll_sum = self.max_err = 0.0
-        self.greedy_matched = self.greedy_total = 0
-        self.has_greedy = False
-
-    def add(self, ref: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, encoder_decoder: bool) -> None:
-        vocab = ref.shape[-1]
-        finite = torch.isfinite(out)
-        self.nonfinite_logits += int(finite.numel() - finite.sum())
-        self.nonfinite_positions += int((~finite.reshape(-1, vocab).all(-1)).sum())
-        self.positions += ref.numel() // vocab
-        self.kl_sum += float(kl_per_token(ref, out).sum())
-        self.top1_hits += int((ref.argmax(-1) == out.argmax(-1)).sum())
-        self.max_err = _nanmax(self.max_err, float((out - ref).abs().max()))
-        if self.lm:
-            nll, n = _nll_sum(out, ids, encoder_decoder)
-            self.nll_sum += nll
-            self.nll_tokens += n
-
-    def add_greedy(self, matched: int, total: int) -> None:
-        self.has_greedy = True
-        self.greedy_matched += matched
-        self.greedy_total += total
-
-    def merge(self, other: _Accumulator) -> None:
-        for k in ("positions", "nonfinite_logits", "nonfinite_positions", "top1_hits", "nll_tokens", "kl_sum", "nll_sum",
-                  "greedy_matched", "greedy_total"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-        self.max_err = _nanmax(self.max_err, other.max_err)
-        self.has_greedy = self.has_greedy or other.has_greedy
-
-    def metrics(self) -> Metrics:
-        n = max(self.positions, 1)
-        return Metrics(
-            positions=self.positions,
-            nonfinite_logits=self.nonfinite_logits,
-            nonfinite_positions=self.nonfinite_positions,
-            kl_mean=self.kl_sum / n,
-            top1=self.top1_hits / n,
-            perplexity=_exp(self.nll_sum / self.nll_tokens) if self.lm and self.nll_tokens else None,
-            max_abs_logit_error=self.max_err,
-            greedy_matched=self.greedy_matched if self.has_greedy else None,
-            greedy_total=self.greedy_total if self.has_greedy else None,
-        )
-
-
-def _nanmax(a: float, b: float) -> float:
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-def _exp(x: float) -> float:
-    try:
-        return math.exp(x)
-    except OverflowError:
-        return math.inf
-
-
-def _matched_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @torch.no_grad()
@@ -299,11 +121,11 @@ class _Runner:
         encdec = is_encoder_decoder(model)
         device = model.device
         peaks = BlockPeaks(model, self.blocks)
-        overall, per_text, greedy_all = _Accumulator(lm), [], []
+        overall, per_text, greedy_all = Accumulator(lm), [], []
         seconds, tokens, peak_act, method = 0.0, 0, 0, ""
         try:
             for t, text_samples in enumerate(self.inputs.samples):
-                acc = _Accumulator(lm)
+                acc = Accumulator(lm)
                 for s, ids in enumerate(text_samples):
                     self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
 
@@ -328,7 +150,7 @@ class _Runner:
                     toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens)
                     greedy_all.append(toks)
                     ref_toks = toks if reference else self.ref_greedy[t]
-                    acc.add_greedy(_matched_prefix(ref_toks, toks), len(ref_toks))
+                    acc.add_greedy(matched_prefix(ref_toks, toks), len(ref_toks))
                 per_text.append(acc.metrics())
                 overall.merge(acc)
         finally:
@@ -382,35 +204,6 @@ def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrai
     if theirs != ours:
         raise HalfsafeError(f"{converted} does not have the original's parameters (names or shapes differ): give the checkpoint converted from this model")
     return model.eval().to(original.device)
-
-
-def environment(device: torch.device | None = None) -> dict:
-    import os
-
-    env = {
-        "halfsafe": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": _cpu_name(),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device) if device is not None else "cpu",
-    }
-    if device is not None and device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-    return env
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def verify(
@@ -563,32 +356,3 @@ def write_plots(report: VerifyReport, path: str | Path) -> list[Path]:
     layers = path.with_name(f"{path.stem}-layers{path.suffix or '.png'}")
     written.append(plot_layer_peaks(series, layers, f"{report.model}: residual peak per layer, before and after"))
     return written
-
-
-def markdown_table(report: VerifyReport) -> str:
-    """The overall results as a GitHub markdown table (for a README)."""
-
-    def num(x, spec):
-        if x is None:
-            return "-"
-        return "NaN" if x != x else format(x, spec)
-
-    def size(n: int) -> str:
-        return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
-
-    lines = [
-        "| variant | custom runtime code | non-finite logits | KL(fp32 ‖ variant) per token | top-1 agreement | perplexity "
-        f"| greedy tokens = fp32 | max abs logit error | weights | peak activations |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report.results:
-        o = r.overall
-        greedy = f"{o.greedy_matched}/{o.greedy_total}" if o.greedy_total else "-"
-        kl = "0 (reference)" if r.name == REFERENCE else num(o.kl_mean, ".2e")
-        top1 = "-" if r.name == REFERENCE else num(100 * o.top1, ".2f") + "%"
-        lines.append(
-            f"| {r.name} | {'yes' if r.variant.custom_runtime else 'no'} | {o.nonfinite_logits:,} | {kl} | {top1} "
-            f"| {num(o.perplexity, '.3f')} | {greedy} | {num(o.max_abs_logit_error, '.3g')} | {size(r.parameter_bytes)} "
-            f"| {size(r.peak_activation_bytes)} |"
-        )
-    return "\n".join(lines) + "\n"
