@@ -41,6 +41,8 @@ from .accumulator import matched_prefix as _matched_prefix  # noqa: F401
 from .accumulator import nll_sum as _nll_sum  # noqa: F401
 from .memory import parameter_bytes, peak_memory
 from .report import Metrics, VariantResult, VerifyReport, environment, markdown_table
+from .converted import check_converted, load_converted
+from .plots import write_plots
 from .variants import (
     ALL_VARIANTS, BASELINES, BF16, CLAMP, CONVERTED, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, VARIANTS,
     Variant,
@@ -171,41 +173,6 @@ class _Runner:
         )
 
 
-def _check_converted(converted: str | Path, original: PreTrainedModel):
-    """The converted folder's config, if it is a checkpoint of the original's architecture (checked up front)."""
-    from ..loading import read_config
-
-    folder = Path(converted).expanduser()
-    if not folder.is_dir():
-        raise HalfsafeError(f"converted checkpoint {converted} is not a folder: give the output folder of `halfsafe convert`")
-    config = read_config(folder)
-    if config.model_type != original.config.model_type:
-        raise HalfsafeError(
-            f"{converted} is a {config.model_type!r} model but the original is {original.config.model_type!r}: "
-            "give the checkpoint converted from this model"
-        )
-    return config
-
-
-def _load_converted(converted: str | Path, original: PreTrainedModel) -> PreTrainedModel:
-    """The converted checkpoint in float16, every module float16 (transformers' fp32 islands turned off)."""
-    from ..loading import model_class_for, quiet_transformers
-    from ..runtime import load_pure_fp16
-
-    folder = Path(converted).expanduser()
-    config = _check_converted(converted, original)
-    try:
-        with quiet_transformers():
-            model = load_pure_fp16(model_class_for(config), folder, local_files_only=True)
-    except Exception as e:
-        raise HalfsafeError(f"could not load the converted checkpoint in {folder} ({str(e).splitlines()[0][:200]})") from None
-    theirs = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    ours = {n: tuple(p.shape) for n, p in original.named_parameters()}
-    if theirs != ours:
-        raise HalfsafeError(f"{converted} does not have the original's parameters (names or shapes differ): give the checkpoint converted from this model")
-    return model.eval().to(original.device)
-
-
 def verify(
     model: str | Path | PreTrainedModel,
     converted: str | Path | PreTrainedModel | None = None,
@@ -249,7 +216,7 @@ def verify(
         raise HalfsafeError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(ALL_VARIANTS)}")
     skipped: dict[str, str] = {}
     if converted is not None and not isinstance(converted, nn.Module):
-        _check_converted(converted, original)  # fail before the slow part
+        check_converted(converted, original)  # fail before the slow part
     if converted is None:
         for v in [v for v in wanted if VARIANTS[v].converted]:
             wanted.remove(v)
@@ -316,7 +283,7 @@ def _build(original: PreTrainedModel, converted, from_converted: bool, dtype: to
     progress("loading the converted checkpoint")
     if isinstance(converted, nn.Module):
         return converted if next(converted.parameters()).dtype == dtype else cast_copy(converted, dtype).eval()
-    return _load_converted(converted, original)
+    return load_converted(converted, original)
 
 
 def _run_patched(runner: _Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:
@@ -328,31 +295,3 @@ def _run_patched(runner: _Runner, model: PreTrainedModel, variant: Variant, resu
         return
     with handle:
         results.append(runner.run(model, variant))
-
-
-def write_plots(report: VerifyReport, path: str | Path) -> list[Path]:
-    """PATH: KL(fp32 || variant) per token as bars on a log axis (a non-finite variant gets a label, no bar).
-    PATH with `-layers` before the suffix: residual peak per block, original (fp32 run) and converted (fp16
-    run), against the fp16 limit."""
-    from ..plots import plot_bars, plot_layer_peaks
-
-    path = Path(path)
-    bars = {}
-    for r in report.results:
-        if r.name == REFERENCE:
-            continue
-        kl = r.overall.kl_mean
-        bars[r.name if math.isfinite(kl) else f"{r.name}\n(non-finite)"] = kl if math.isfinite(kl) else math.nan
-    written = [plot_bars(bars, path, "mean KL(fp32 || variant) per token (nats)", f"{report.model}: divergence from float32, lower is better")]
-    series = {"original (fp32 run)": report.result(REFERENCE).layer_peaks}
-    for name in (HALFSAFE, FP16):
-        try:
-            peaks = report.result(name).layer_peaks
-        except KeyError:
-            continue
-        if all(math.isfinite(p) for p in peaks):
-            series[f"{name} (measured)"] = peaks
-            break
-    layers = path.with_name(f"{path.stem}-layers{path.suffix or '.png'}")
-    written.append(plot_layer_peaks(series, layers, f"{report.model}: residual peak per layer, before and after"))
-    return written
