@@ -63,18 +63,9 @@ def verify(
     if device is not None:
         original.to(device)
     dev = original.device
-    wanted = list(ALL_VARIANTS) if variants is None else [REFERENCE, *[v for v in variants if v != REFERENCE]]
-    unknown = [v for v in wanted if v not in VARIANTS]
-    if unknown:
-        raise HalfsafeError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(ALL_VARIANTS)}")
-    skipped: dict[str, str] = {}
+    todo, skipped = _chosen(variants, converted is not None)
     if converted is not None and not isinstance(converted, nn.Module):
         check_converted(converted, original)  # fail before the slow part
-    if converted is None:
-        for v in [v for v in wanted if VARIANTS[v].converted]:
-            wanted.remove(v)
-            if variants is not None:
-                skipped[v] = "no converted checkpoint given"
     if texts is None:
         texts, text_names = [heldout_text()], ["held-out text (embedded)"]
     text_names = text_names or [f"text {i + 1}" for i in range(len(texts))]
@@ -87,7 +78,6 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions(dev):
         runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
-        todo = [VARIANTS[v] for v in ALL_VARIANTS if v in wanted and v != REFERENCE]
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
             built = _build(original, converted, from_converted, dtype, progress)
             try:
@@ -109,6 +99,23 @@ def verify(
         skipped=skipped,
         environment=environment(dev),
     )
+
+
+def _chosen(variants: list[str] | None, have_converted: bool) -> tuple[list[Variant], dict[str, str]]:
+    """The variants to run after the reference, in ALL_VARIANTS order (variants that share weights are then
+    next to each other), and the ones skipped, with why: without a converted checkpoint the converted variants,
+    listed only when they were asked for by name."""
+    wanted = list(ALL_VARIANTS) if variants is None else [REFERENCE, *[v for v in variants if v != REFERENCE]]
+    unknown = [v for v in wanted if v not in VARIANTS]
+    if unknown:
+        raise HalfsafeError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(ALL_VARIANTS)}")
+    skipped: dict[str, str] = {}
+    if not have_converted:
+        for v in [v for v in wanted if VARIANTS[v].converted]:
+            wanted.remove(v)
+            if variants is not None:
+                skipped[v] = "no converted checkpoint given"
+    return [VARIANTS[v] for v in ALL_VARIANTS if v in wanted and v != REFERENCE], skipped
 
 
 def _build(original: PreTrainedModel, converted, from_converted: bool, dtype: torch.dtype, progress) -> PreTrainedModel:

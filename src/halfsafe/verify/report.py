@@ -130,6 +130,7 @@ def environment(device: torch.device | None = None) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
 
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
