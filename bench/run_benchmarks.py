@@ -84,7 +84,7 @@ def git_commit() -> str:
 
 
 # Modules that do not take part in a conversion: editing them keeps a cached conversion valid.
-_NOT_CONVERSION = {"verify.py", "display.py", "cli.py", "plots.py", "baselines.py", "runtime.py", "training"}
+_NOT_CONVERSION = {"verify", "display.py", "cli.py", "plots.py", "baselines.py", "runtime.py", "training"}
 
 
 def source_hash() -> str:

@@ -99,7 +99,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = F
         if streamed is not None:
             return LoadedModel(streamed, _load_tokenizer(folder), source, folder)
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
     except Exception as e:  # corrupt or truncated weights surface as many exception types
         raise HalfsafeError(
@@ -128,7 +128,7 @@ def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str
 
 def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedModel:
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             model = model_class_for(config).from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     except ImportError as e:
@@ -173,7 +173,7 @@ def _load_tokenizer(folder: Path):
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")):
         return None
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             return AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception:
         logging.getLogger(__name__).warning("could not load the tokenizer in %s; feeding text as byte ids", folder)
@@ -190,7 +190,7 @@ def _first_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:200]
 
 
-class _quiet_transformers:
+class quiet_transformers:
     """Silence transformers' load-time chatter (progress bars, tie warnings) for the duration."""
 
     def __enter__(self):

@@ -144,7 +144,7 @@ def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
 
 def load_fp16(folder: Path):
     """The checkpoint in `folder` as an all-fp16 causal LM (no module kept in fp32), eval mode."""
-    from ..loading import _quiet_transformers, read_config
+    from ..loading import quiet_transformers, read_config
     from ..runtime import load_pure_fp16
     from transformers import AutoModelForCausalLM
 
@@ -152,7 +152,7 @@ def load_fp16(folder: Path):
     check_exportable(config)
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
-    with _quiet_transformers():
+    with quiet_transformers():
         model = load_pure_fp16(AutoModelForCausalLM, folder, local_files_only=True)
     return model.eval()
 
@@ -215,12 +215,12 @@ def export_program(model):
     require_onnx()
     from transformers.exporters import OnnxConfig, OnnxExporter
 
-    from ..loading import _first_line, _quiet_transformers
+    from ..loading import _first_line, quiet_transformers
 
     inputs, shapes = sample_inputs(model)
     config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
     try:
-        with _quiet_transformers(), torch.no_grad():
+        with quiet_transformers(), torch.no_grad():
             exported = OnnxExporter().export(model, inputs, config)
     except HalfsafeError:
         raise

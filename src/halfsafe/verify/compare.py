@@ -1,0 +1,140 @@
+"""`verify` itself: load the original, build each variant from its record, run it against the float32 run,
+and gather the report.
+
+Memory: the fp32 original is loaded once; each 16-bit model is made from it with cast_copy (or loaded from the
+converted folder) once per source and dtype, and freed before the next.
+"""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+from itertools import groupby
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..errors import HalfsafeError
+from ..layers import find_blocks
+from ..precision import cast_copy
+from .converted import check_converted, load_converted
+from .report import VariantResult, VerifyReport, environment
+from .runner import Runner, exact_fp16_reductions, prepare_inputs
+from .variants import ALL_VARIANTS, REFERENCE, VARIANTS, Variant
+
+
+def verify(
+    model: str | Path | PreTrainedModel,
+    converted: str | Path | PreTrainedModel | None = None,
+    texts: list[str] | None = None,
+    text_names: list[str] | None = None,
+    tokenizer=None,
+    seq_len: int = 512,
+    max_samples: int | None = 2,
+    greedy_tokens: int = 32,
+    prompt_tokens: int = 16,
+    variants: list[str] | None = None,
+    device: str | torch.device | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> VerifyReport:
+    """Compare every variant of `model` (a folder/fixture name/hub id, or a float32 model) with its float32
+    run on `texts` (default: the embedded held-out text, never used for calibration).
+
+    `converted`: the converted checkpoint (folder, or a float16 model) for the halfsafe variants.
+    `max_samples`: samples of `seq_len` tokens per text at most (None: the whole text). `greedy_tokens`: tokens
+    generated from the first `prompt_tokens` tokens of each text (0: skip). `variants`: a subset of
+    ALL_VARIANTS (the fp32 reference always runs). `progress`: called with a short status line.
+    """
+    from ..calibration import heldout_text
+    from ..loading import load_model
+
+    progress = progress or (lambda msg: None)
+    name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
+    if isinstance(model, nn.Module):
+        original = model
+    else:
+        loaded = load_model(model, torch.float32)
+        original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
+    if next(original.parameters()).dtype != torch.float32:
+        raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
+    if device is not None:
+        original.to(device)
+    dev = original.device
+    todo, skipped = _chosen(variants, converted is not None)
+    if converted is not None and not isinstance(converted, nn.Module):
+        check_converted(converted, original)  # fail before the slow part
+    if texts is None:
+        texts, text_names = [heldout_text()], ["held-out text (embedded)"]
+    text_names = text_names or [f"text {i + 1}" for i in range(len(texts))]
+    if len(text_names) != len(texts):
+        raise HalfsafeError("give one name per text")
+    vocab = original.config.get_text_config().vocab_size
+    inputs = prepare_inputs(texts, text_names, tokenizer, vocab, seq_len, max_samples, prompt_tokens)
+    blocks = find_blocks(original)
+    results: list[VariantResult] = []
+    with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions(dev):
+        runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
+        results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
+        for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
+            built = _build(original, converted, from_converted, dtype, progress)
+            try:
+                for variant in group:
+                    _run_patched(runner, built, variant, results, skipped)
+            finally:
+                del built
+                gc.collect()
+    return VerifyReport(
+        model=name,
+        converted=None if converted is None else (str(converted) if not isinstance(converted, nn.Module) else "(model object)"),
+        model_type=original.config.model_type,
+        texts=[{"name": n, "samples": len(s), "tokens": sum(x.numel() for x in s)} for n, s in zip(inputs.names, inputs.samples)],
+        seq_len=seq_len,
+        greedy_tokens=greedy_tokens,
+        prompt_tokens=prompt_tokens,
+        layers=blocks,
+        results=results,
+        skipped=skipped,
+        environment=environment(dev),
+    )
+
+
+def _chosen(variants: list[str] | None, have_converted: bool) -> tuple[list[Variant], dict[str, str]]:
+    """The variants to run after the reference, in ALL_VARIANTS order (variants that share weights are then
+    next to each other), and the ones skipped, with why: without a converted checkpoint the converted variants,
+    listed only when they were asked for by name."""
+    wanted = list(ALL_VARIANTS) if variants is None else [REFERENCE, *[v for v in variants if v != REFERENCE]]
+    unknown = [v for v in wanted if v not in VARIANTS]
+    if unknown:
+        raise HalfsafeError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(ALL_VARIANTS)}")
+    skipped: dict[str, str] = {}
+    if not have_converted:
+        for v in [v for v in wanted if VARIANTS[v].converted]:
+            wanted.remove(v)
+            if variants is not None:
+                skipped[v] = "no converted checkpoint given"
+    return [VARIANTS[v] for v in ALL_VARIANTS if v in wanted and v != REFERENCE], skipped
+
+
+def _build(original: PreTrainedModel, converted, from_converted: bool, dtype: torch.dtype, progress) -> PreTrainedModel:
+    """The model a group of variants runs on: the original cast to `dtype`, or the converted checkpoint (a
+    folder is loaded in float16; a model object is cast to `dtype` unless it is in it already)."""
+    if not from_converted:
+        return cast_copy(original, dtype).eval()
+    progress("loading the converted checkpoint")
+    if isinstance(converted, nn.Module):
+        return converted if next(converted.parameters()).dtype == dtype else cast_copy(converted, dtype).eval()
+    return load_converted(converted, original)
+
+
+def _run_patched(runner: Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:
+    """Run `variant` on `model` (the right dtype already), with its run-time patch on for the duration."""
+    try:
+        handle = variant.patch(model)
+    except HalfsafeError as e:
+        skipped[variant.name] = str(e)
+        return
+    with handle:
+        results.append(runner.run(model, variant))

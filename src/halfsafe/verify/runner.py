@@ -1,0 +1,174 @@
+"""Running one variant over every text: forward passes compared with the reference run, greedy generation,
+timing, memory and residual peaks.
+
+The reference's logits wait on disk and come back memory-mapped one sample at a time, so that only one model
+and one sample's logits are in memory at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..forward import is_encoder_decoder
+from ..forward import logits as forward_logits
+from .accumulator import Accumulator, matched_prefix
+from .block_peaks import BlockPeaks
+from .memory import parameter_bytes, peak_memory
+from .report import VariantResult
+from .variants import Variant
+
+
+@dataclass
+class Inputs:
+    names: list[str]
+    samples: list[list[torch.Tensor]]  # per text
+    prompts: list[torch.Tensor]  # per text
+
+
+def prepare_inputs(texts: list[str], names: list[str], tokenizer, vocab: int, seq_len: int, max_samples: int | None,
+                   prompt_tokens: int) -> Inputs:
+    """Each text cut into samples of `seq_len` tokens, and its first `prompt_tokens` as the greedy prompt."""
+    from ..calibration import make_samples
+
+    samples = [make_samples([t], tokenizer, vocab, seq_len, max_samples) for t in texts]
+    prompts = [s[0][:, :prompt_tokens] for s in samples]
+    return Inputs(names, samples, prompts)
+
+
+def predicts_tokens(model: PreTrainedModel) -> bool:
+    """Whether the logits are over the vocabulary (an output embedding) and predict the next token or the
+    teacher-forced target (the model generates): only then is a perplexity meaningful. Masked LMs have the
+    first without the second; classifiers and headless models have neither."""
+    return model.get_output_embeddings() is not None and model.can_generate()
+
+
+@torch.no_grad()
+def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int) -> list[int]:
+    """`n` greedily generated token ids after `prompt` ([1, len]); for encoder-decoder models the prompt is the
+    encoder input and the decoder starts from its start token. End-of-sequence is suppressed so that every
+    variant generates exactly `n` tokens."""
+    prompt = prompt.to(model.device)
+    gen = GenerationConfig(
+        do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=n,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=getattr(model.config, "pad_token_id", model.config.get_text_config().pad_token_id),  # multimodal: text config
+        bos_token_id=model.generation_config.bos_token_id,
+        decoder_start_token_id=getattr(model.generation_config, "decoder_start_token_id", None),
+    )
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
+    start = 1 if is_encoder_decoder(model) else prompt.shape[1]
+    return out[0, start:].tolist()
+
+
+class ReferenceCache:
+    """The reference run's logits, one file per sample in `folder`, and its greedy tokens per text."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.greedy: list[list[int]] = []
+
+    def _path(self, t: int, s: int) -> Path:
+        return self.folder / f"ref-{t}-{s}.pt"
+
+    def save(self, t: int, s: int, logits: torch.Tensor) -> None:
+        torch.save(logits, self._path(t, s))
+
+    def load(self, t: int, s: int) -> torch.Tensor:
+        return torch.load(self._path(t, s), mmap=True)
+
+
+class Runner:
+    """Runs one model on every sample and prompt, compares to the stored reference."""
+
+    def __init__(self, inputs: Inputs, blocks: list[str], greedy_tokens: int, ref_dir: Path, progress: Callable[[str], None]):
+        self.inputs = inputs
+        self.blocks = blocks
+        self.greedy_tokens = greedy_tokens
+        self.refs = ReferenceCache(ref_dir)
+        self.progress = progress
+
+    def run_reference(self, model: PreTrainedModel, variant: Variant) -> VariantResult:
+        """Run the reference and store its logits and greedy tokens: every later run is compared to them."""
+        return self._run(model, variant, reference=True)
+
+    def run(self, model: PreTrainedModel, variant: Variant) -> VariantResult:
+        """Run `model` and compare it with the stored reference."""
+        return self._run(model, variant, reference=False)
+
+    @torch.no_grad()
+    def _run(self, model: PreTrainedModel, variant: Variant, reference: bool) -> VariantResult:
+        lm = predicts_tokens(model)
+        encdec = is_encoder_decoder(model)
+        device = model.device
+        peaks = BlockPeaks(model, self.blocks)
+        overall, per_text, greedy_all = Accumulator(lm), [], []
+        seconds, tokens, peak_act, method = 0.0, 0, 0, ""
+        try:
+            for t, text_samples in enumerate(self.inputs.samples):
+                acc = Accumulator(lm)
+                for s, ids in enumerate(text_samples):
+                    self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
+
+                    def forward(ids=ids):
+                        return forward_logits(model, ids)
+
+                    start = time.perf_counter()
+                    if t == 0 and s == 0:
+                        out, peak_act, method = peak_memory(forward, device)
+                    else:
+                        out = forward()
+                    seconds += time.perf_counter() - start
+                    tokens += ids.numel()
+                    out = out.float().cpu()
+                    if reference:
+                        self.refs.save(t, s, out)
+                    ref = self.refs.load(t, s)
+                    acc.add(ref, out, ids, encdec)
+                    del out, ref
+                if self.greedy_tokens > 0 and model.can_generate():
+                    self.progress(f"{variant.name}: greedy generation, text {t + 1}")
+                    toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens)
+                    greedy_all.append(toks)
+                    ref_toks = toks if reference else self.refs.greedy[t]
+                    acc.add_greedy(matched_prefix(ref_toks, toks), len(ref_toks))
+                per_text.append(acc.metrics())
+                overall.merge(acc)
+        finally:
+            peaks.remove()
+        if reference:
+            self.refs.greedy = greedy_all
+        return VariantResult(
+            variant=variant,
+            overall=overall.metrics(),
+            per_text=per_text,
+            parameter_bytes=parameter_bytes(model),
+            peak_activation_bytes=peak_act,
+            memory_method=method,
+            layer_peaks=peaks.peaks,
+            greedy_tokens=greedy_all,
+            forward_seconds=seconds,
+            forward_tokens=tokens,
+        )
+
+
+class exact_fp16_reductions:
+    """On CUDA, fp16 GEMMs may otherwise accumulate partial sums in fp16 (PyTorch's default): verify measures
+    the format, not that shortcut, so it is switched off for the duration."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.saved = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = self.saved
