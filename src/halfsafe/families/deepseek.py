@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .llama import L
-from .mixtral import expert_up_down, mlp_up_down, moe_residual
+from .builders import expert_up_down, mlp_up_down, moe_residual
 from .spec import Family, GroupSpec, Move
 
-A = f"{L}.self_attn"
+A = "model.layers.{i}.self_attn"
 
 
 def _rope_rows(config):

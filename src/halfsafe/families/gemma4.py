@@ -50,6 +50,7 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   to +-65504 in fp16. Its projector (embed_audio) writes into the language model and moves with s.
 """
 
+from .builders import biased, up_half
 from .spec import Family, GroupSpec, Move, tied_head
 
 
@@ -75,22 +76,13 @@ def _own_kv_blocks(model) -> list[int]:
     return [i for i, mode in enumerate(_text(model).kv_sharing_modes) if mode is None]
 
 
-def _expert_up_rows(config):
-    size = config.get_text_config().moe_intermediate_size
-    return slice(size, 2 * size)
-
-
-def _linear(param: str) -> tuple[Move, ...]:
-    return (Move(f"{param}.weight"), Move(f"{param}.bias", optional=True))
-
-
 def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...]]:
     L = f"{prefix}.layers.{{i}}"
     residual = (
         Move(f"{prefix}.embed_tokens.weight"),
         Move(f"{L}.input_layernorm.weight"),  # q/k/v norms read q/k/v_proj of it (and share the eps)
         *(Move(f"{L}.self_attn.{p}_proj.bias", optional=True) for p in "qkv"),
-        *_linear(f"{L}.self_attn.o_proj"),
+        *biased(f"{L}.self_attn.o_proj"),
         Move(f"{L}.post_attention_layernorm.weight"),
         Move(f"{L}.mlp.down_proj.weight"),
         Move(f"{L}.post_feedforward_layernorm.weight"),
@@ -105,7 +97,7 @@ def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...
     pairs = (
         GroupSpec("up_down", (Move(f"{L}.mlp.up_proj.weight"), Move(f"{L}.mlp.down_proj.weight", -1)), per_block=True,
                   why="gelu(gate) * up is linear in up: up x c, down_proj / c"),
-        GroupSpec("experts_up_down", (Move(f"{L}.experts.gate_up_proj", select=(1, _expert_up_rows)),
+        GroupSpec("experts_up_down", (Move(f"{L}.experts.gate_up_proj", select=(1, up_half("moe_intermediate_size"))),
                                       Move(f"{L}.experts.down_proj", -1)), per_block=True,
                   when=lambda m: bool(_text(m).enable_moe_block),
                   why="each expert's gelu(gate) * up is linear in up: the up rows of gate_up_proj x c, down_proj / c"),
