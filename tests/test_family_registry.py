@@ -1,21 +1,25 @@
 """The family registry: every data module listed once, family modules independent of each other, mistakes in
-the data caught when the table is built."""
+the data caught when the table is built, and the residual writers each family lists found in its models."""
 
 from __future__ import annotations
 
 import ast
 import re
 import pkgutil
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 import halfsafe.families as families
-from halfsafe.errors import UnsupportedModelError
+from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import REFUSED, REGISTRY, family_for, supported_model_types
 from halfsafe.families.registry import FAMILY_MODULES, FamilyDataError, build, load_modules
 from halfsafe.families.spec import Family, GroupSpec, Move
+from halfsafe.layers import find_blocks
+from halfsafe.runtime import residual_writers
+from tiny import TINY, make_tiny
 
 PACKAGE = Path(families.__file__).parent
 NOT_DATA = {"__init__", "spec", "builders", "registry"}
@@ -41,9 +45,9 @@ def _module(name: str, **data) -> ModuleType:
     return module
 
 
-def _family(name: str, *model_types: str) -> Family:
+def _family(name: str, *model_types: str, writers=(("self_attn.o_proj", "mlp.down_proj"),)) -> Family:
     group = GroupSpec("residual", (Move("model.embed_tokens.weight"),))
-    return Family(name=name, model_types=model_types, groups=(group,))
+    return Family(name=name, model_types=model_types, groups=(group,), residual_writers=writers)
 
 
 def test_build_registers_families_and_refusals():
@@ -60,6 +64,7 @@ def test_build_registers_families_and_refusals():
     ([_module("a", FAMILY=_family("a", "x"), FAMILIES=())], "both FAMILY and FAMILIES"),
     ([_module("a", FAMILY="llama")], "is not a Family"),
     ([_module("a", FAMILY=_family("a"))], "names no model_type"),
+    ([_module("a", FAMILY=_family("a", "x", writers=()))], "lists no residual_writers"),
     ([_module("a", FAMILY=_family("a", "x"), REFUSED={"x": "why"})], "both supported and refused: x"),
     ([_module("a", REFUSED={"x": "why"}), _module("b", REFUSED={"x": "why"})], "refused in halfsafe.families.a and"),
     ([_module("a", REFUSED={"x": ""})], "needs a one-line reason"),
@@ -74,6 +79,13 @@ def test_a_module_listed_twice_fails():
         load_modules(("llama", "t5", "llama"))
 
 
+def test_writer_sets_are_checked_where_the_family_is_written():
+    with pytest.raises(ValueError, match="can never be chosen"):  # the shorter set would always win
+        _family("a", "x", writers=(("o_proj",), ("o_proj", "down_proj")))
+    with pytest.raises(ValueError, match="tuples of module names"):  # a bare set, not a tuple of sets
+        _family("a", "x", writers=("o_proj", "down_proj"))
+
+
 def test_unknown_and_refused_model_types_fail_with_the_fix():
     with pytest.raises(UnsupportedModelError) as e:
         family_for("no_such_model")
@@ -85,3 +97,18 @@ def test_unknown_and_refused_model_types_fail_with_the_fix():
         with pytest.raises(UnsupportedModelError, match="^" + re.escape(reason[:40])):
             family_for(model_type)
     assert supported_model_types() == sorted(REGISTRY)
+
+
+@pytest.mark.parametrize("key", sorted(TINY))
+def test_every_block_of_every_tiny_model_has_residual_writers(key):
+    model = make_tiny(key)
+    modules = dict(model.named_modules())
+    writers = residual_writers(model)
+    assert len(writers) >= 2 * len(find_blocks(model)) and all(w in modules for w in writers)
+
+
+def test_a_block_without_known_writers_names_the_family_to_extend(monkeypatch):
+    model = make_tiny("llama")
+    monkeypatch.setitem(REGISTRY, "llama", replace(family_for("llama"), residual_writers=(("no.such.module",),)))
+    with pytest.raises(HalfsafeError, match=r"no known residual writers in model\.layers\.0 .*residual_writers of family llama"):
+        residual_writers(model)

@@ -34,7 +34,7 @@ no encoder) and fails in groups.expand. The encoder layer clamps float16 hidden 
 are already non-finite.
 """
 
-from .builders import bart_pairs, class_in, linear, norm
+from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_pairs, class_in, linear, norm
 from .spec import Family, GroupSpec, Move, untied_head
 
 M = "model"
@@ -84,6 +84,7 @@ FAMILY = Family(
     ),
     unfixable=("fc1 pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention; "
                "a LayerNorm's input only moves with the LayerNorm output before it"),
+    residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
     extra={"fixed_norm_eps": 1e-5},  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5): each norm whose input moves is matched only approximately",
 )

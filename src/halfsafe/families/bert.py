@@ -85,6 +85,7 @@ def encoder_family(name: str, base: str, head_norm: str, final_readers: dict[str
         groups=groups,
         unfixable=("intermediate.dense pre-activations and outputs (GELU is not homogeneous, so nothing pairs "
                    "intermediate with output.dense); raw QK^T logits under eager attention"),
+        residual_writers=(("attention.output.dense", "output.dense"),),  # post-norm: LayerNorm(write + residual)
         notes="each moved LayerNorm input sees its eps as eps / c**2 (layer_norm_eps 1e-12: negligible)",
     )
 

@@ -50,6 +50,17 @@ def up_half(intermediate: str) -> Callable:
     return rows
 
 
+# -- residual writers shared by several families (Family.residual_writers) -----------------------------------
+LLAMA_BLOCK_WRITERS = ("self_attn.o_proj", "mlp.down_proj")  # a pre-norm decoder block with a dense MLP
+MOE_BLOCK_WRITERS = ("self_attn.o_proj", "mlp")  # the whole mixture-of-experts block writes, not one projection
+SANDWICH_BLOCK_WRITERS = ("post_attention_layernorm", "post_feedforward_layernorm")  # Gemma 2/3/4 post-branch norms
+SIGLIP_BLOCK_WRITERS = ("self_attn.out_proj", "mlp.fc2")  # a SigLIP vision encoder layer
+T5_DECODER_WRITERS = ("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo")
+BART_DECODER_WRITERS = ("self_attn.out_proj", "encoder_attn.out_proj", "fc2")
+BART_ENCODER_WRITERS = ("self_attn.out_proj", "fc2")
+T5GEMMA_SELF_WRITERS = ("post_self_attn_layernorm", "post_feedforward_layernorm")  # a block without cross-attention
+
+
 # -- Llama-style decoders (families/llama.py, qwen3.py) -------------------------------------------------------
 _L = "model.layers.{i}"
 
@@ -73,6 +84,7 @@ def llama_like(name: str, model_types: tuple[str, ...], qk_norm: bool = False, n
         eps_attrs=("rms_norm_eps",),
         unfixable="gate_proj pre-activations (SiLU is not homogeneous); raw QK^T logits under eager attention",
         notes=notes,
+        residual_writers=(LLAMA_BLOCK_WRITERS,),
     )
 
 
@@ -144,6 +156,7 @@ def moe_family(name: str, model_types: tuple[str, ...], intermediate: str, share
         eps_attrs=("rms_norm_eps",),
         unfixable=unfixable or ("gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs "
                                 "(SiLU is not homogeneous); raw QK^T logits under eager attention"),
+        residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # dense layers (mlp_only_layers) and MoE layers
     )
 
 

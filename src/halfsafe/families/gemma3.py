@@ -16,7 +16,7 @@ With `vision_use_head` the tower also holds an attention-pooling head that reads
 never runs: the tower groups then do not apply (no Gemma 3 checkpoint has one).
 """
 
-from .builders import biased, gemma_pairs, gemma_sandwich
+from .builders import SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich
 from .spec import Family, GroupSpec, Move
 
 LM = "model.language_model"
@@ -52,6 +52,7 @@ FAMILY = Family(
     ),
     unfixable="gate_proj pre-activations (GELU is not homogeneous); the SigLIP fc1 pre-activations (GELU); "
               "raw QK^T logits under eager attention; the tower is not rescaled when it has a pooling head (vision_use_head)",
+    residual_writers=(SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS),
     notes="calibration runs one synthetic image (a gradient, forward.image_prompt) before the text, so the tower is "
           "scanned, probed and checked with the language model",
 )

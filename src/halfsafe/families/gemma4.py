@@ -50,7 +50,7 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   to +-65504 in fp16. Its projector (embed_audio) writes into the language model and moves with s.
 """
 
-from .builders import biased, up_half
+from .builders import SANDWICH_BLOCK_WRITERS, biased, up_half
 from .spec import Family, GroupSpec, Move, tied_head
 
 
@@ -118,6 +118,12 @@ _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-
               "QK^T logits under eager attention (no exact rescale changes them; in blocks whose keys are stored "
               "for other blocks the Q/K pair that balances q against k is not offered either)")
 
+# A block with per-layer inputs writes a third time; the vision tower's layers and blocks without them write twice.
+_PLE_BLOCK_WRITERS = (*SANDWICH_BLOCK_WRITERS, "post_per_layer_input_norm")
+# The audio tower's conformer layers (only hooked by the run-time baselines: no rescale moves the audio stream).
+_AUDIO_BLOCK_WRITERS = ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end",
+                        "feed_forward2.post_layer_norm")
+
 _TEXT_RESIDUAL, _TEXT_PAIRS = _language_model("model")
 GEMMA4_TEXT = Family(
     name="gemma4_text",
@@ -126,6 +132,7 @@ GEMMA4_TEXT = Family(
             *_TEXT_PAIRS),
     eps_attrs=("rms_norm_eps",),
     unfixable=_UNFIXABLE,
+    residual_writers=(_PLE_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
 )
 
 V = "model.vision_tower"
@@ -163,6 +170,7 @@ GEMMA4 = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     eps_scope=_eps_scope,
+    residual_writers=(_PLE_BLOCK_WRITERS, _AUDIO_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
     unfixable=_UNFIXABLE + "; the audio tower's stream (its linears clamp to stored bounds and 7 of each layer's 9 "
                            "norms hard-code eps 1e-6 instead of reading the config, so no checkpoint can move their eps: "
                            "only its projector moves); the vision tower's stream where it clamps (use_clipped_linears) "

@@ -45,4 +45,5 @@ FAMILY = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     unfixable="the gate half of gate_up_proj (SiLU is not homogeneous); raw QK^T logits under eager attention",
+    residual_writers=(("post_self_attn_layernorm", "post_mlp_layernorm"),),
 )

@@ -18,7 +18,8 @@ its output moves by s, which k / s and v / s take back). The q/k pair moves the 
 (both come from k), so QK^T stays; v/o likewise.
 """
 
-from .builders import T5_DEC_CROSS, T5_DEC_FF, T5_DEC_SELF, T5_ENC, T5_ENC_FF, has_decoder, t5_stack_pairs, weight
+from .builders import (T5_DEC_CROSS, T5_DEC_FF, T5_DEC_SELF, T5_DECODER_WRITERS, T5_ENC, T5_ENC_FF, has_decoder,
+                       t5_stack_pairs, weight)
 from .spec import Family, GroupSpec, Move, tied_head
 
 ENC_LOCAL, ENC_TGLOBAL = f"{T5_ENC}.0.LocalSelfAttention", f"{T5_ENC}.0.TransientGlobalSelfAttention"
@@ -59,6 +60,9 @@ FAMILY = Family(
         *t5_stack_pairs("dec", {"self": T5_DEC_SELF, "cross": T5_DEC_CROSS}, T5_DEC_FF, when=has_decoder),
     ),
     eps_attrs=("layer_norm_epsilon",),
+    residual_writers=(T5_DECODER_WRITERS,
+                      ("layer.0.LocalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # encoder, local attention
+                      ("layer.0.TransientGlobalSelfAttention.o", "layer.1.DenseReluDense.wo")),  # transient-global
     unfixable="gated wi_0 pre-activations (GELU is not homogeneous); the wi pre-activation of an ungated "
               "non-ReLU feed-forward; raw QK^T + position bias logits under eager attention",
 )

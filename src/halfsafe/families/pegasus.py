@@ -29,7 +29,7 @@ The encoder layer clamps float16 hidden states to +-64504 after every layer; a p
 The decoder-only PegasusForCausalLM is laid out differently (no `shared`) and fails in groups.expand.
 """
 
-from .builders import bart_embeddings, bart_pairs, linear, norm
+from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_embeddings, bart_pairs, linear, norm
 from .spec import Family, GroupSpec, tied_head
 
 M = "model"
@@ -49,6 +49,7 @@ FAMILY = Family(
     ),
     unfixable=("fc1 pre-activations unless the activation is relu; raw QK^T logits under eager attention; "
                "the residual scale is approximate (LayerNorm eps 1e-5 is fixed in the code)"),
+    residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
     extra={"fixed_norm_eps": 1e-5},  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5), so the residual scale is exact only up to eps / s**2",
 )

@@ -10,7 +10,7 @@
 - qk: the Q rows of `qkv_proj` x c, the K rows / c (RoPE, partial or full, is linear; QK^T unchanged).
 """
 
-from .builders import up_half
+from .builders import LLAMA_BLOCK_WRITERS, up_half
 from .spec import Family, GroupSpec, Move, tied_head
 
 L = "model.layers.{i}"
@@ -57,4 +57,5 @@ FAMILY = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     unfixable="the gate half of gate_up_proj (SiLU is not homogeneous); raw QK^T logits under eager attention",
+    residual_writers=(LLAMA_BLOCK_WRITERS,),
 )

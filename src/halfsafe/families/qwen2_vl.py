@@ -27,7 +27,7 @@ The language model's eps moves by s**2 with its residual group; the tower's norm
 (`eps_skip_modules`), even where the two values are equal (1e-6 in every release).
 """
 
-from .builders import biased
+from .builders import LLAMA_BLOCK_WRITERS, biased
 from .spec import Family, GroupSpec, Move, tied_head
 
 L = "model.language_model.layers.{i}"
@@ -85,6 +85,7 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
         groups=tuple(groups),
         eps_attrs=("rms_norm_eps",),
         eps_skip_modules=(VIS,),
+        residual_writers=(LLAMA_BLOCK_WRITERS, ("attn.proj", f"mlp.{mlp_out}")),  # language model, vision tower
         unfixable=(f"gate_proj pre-activations (SiLU is not homogeneous); the vision tower's {vision_mlp} and its "
                    "merger's mlp.0 pre-activations (GELU); raw QK^T logits under eager attention; the vision "
                    "residual moves only up to its norms' fixed eps (1e-6 / s**2)"),

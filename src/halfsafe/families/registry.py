@@ -64,6 +64,9 @@ def _families_of(module: ModuleType) -> tuple[Family, ...]:
             raise FamilyDataError(f"{where}: {family!r} is not a Family")
         if not family.model_types:
             raise FamilyDataError(f"{where}: family {family.name} names no model_type")
+        if not family.residual_writers:
+            raise FamilyDataError(f"{where}: family {family.name} lists no residual_writers (the modules each block "
+                                  "adds to its residual stream)")
     return tuple(families)
 
 

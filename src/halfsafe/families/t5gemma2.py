@@ -26,7 +26,7 @@ Encoder input: embed(ids), with image tokens replaced by the projector's output
 Trap (as Gemma 2/3): s(1+w)-1 stored in 16 bits rounds, more as s shrinks; the planner measures it.
 """
 
-from .builders import biased, gain, t5gemma_up_down
+from .builders import SIGLIP_BLOCK_WRITERS, T5GEMMA_SELF_WRITERS, biased, gain, t5gemma_up_down
 from .spec import Family, GroupSpec, Move, tied_head
 
 ENC, DEC = "model.encoder.text_model.layers.{i}", "model.decoder.layers.{i}"
@@ -78,6 +78,7 @@ FAMILY = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     eps_skip_modules=(VIS, "model.encoder.multi_modal_projector"),
+    residual_writers=(T5GEMMA_SELF_WRITERS, SIGLIP_BLOCK_WRITERS),  # encoder and decoder (merged attention), vision tower
     unfixable=("gate_proj pre-activations (GELU is not homogeneous); the vision tower's residual stream (its "
                "LayerNorm eps is a separate config field) and fc1 pre-activations (GELU); raw QK^T logits under "
                "eager attention"),
