@@ -26,7 +26,7 @@ from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import scan
 from halfsafe.training import TrainingRescaler, train_steps
 from halfsafe.training.finetune import FinetuneConfig, finetune_below_threshold, fp16_check
-from tiny import make_tiny, tiny_ids
+from tiny import TINY, make_tiny, tiny_ids
 
 AMP_TRACKING_RTOL = 2e-3  # fp16 AMP loss vs the fp32 run of the same steps (measured: ~1e-4)
 TRAJECTORY_RTOL = 1e-5  # fp32 loss with a mid-run rescale vs without (measured: 0 for x*w norms, 1e-7 for (1+w))
@@ -244,18 +244,24 @@ def test_probing_runs_in_float32_even_under_an_accelerate_style_autocast_forward
 
 
 # -- 4. the penalty fine-tune --------------------------------------------------------------------
-def _gate_overflow_llama(peak: float = 1.25 * 65504):
-    """A tiny llama whose layer-0 gate pre-activation peaks above 65504 while the rest fits:
-    gate_proj x 2^k, up_proj / 2^k (the gated product keeps its size)."""
-    model = make_tiny("llama", untie=True)
+def _overflow(key: str, grow: str, shrink: str, peak: float = 1.25 * 65504):
+    """A tiny model whose `grow` output (a GELU/SiLU input: no exact rescale reaches it) peaks above 65504 while
+    the rest fits: `grow` x 2^k, `shrink` / 2^k, the linear layer after the activation or beside it in the gated
+    product, so that what the MLP writes keeps its size."""
+    model = make_tiny(key, untie=True)
     samples = [tiny_ids(model, length=32, seed=s) for s in range(4)]
-    mlp = model.model.layers[0].mlp
-    g = scan(model, samples, progress=False).sites["model.layers.0.mlp.gate_proj:out"].abs_max
+    modules = dict(model.named_modules())
+    g = scan(model, samples, progress=False).sites[f"{grow}:out"].abs_max
     k = math.ceil(math.log2(peak / g))
     with torch.no_grad():
-        mlp.gate_proj.weight.mul_(2.0 ** k)
-        mlp.up_proj.weight.mul_(2.0 ** -k)
+        modules[grow].weight.mul_(2.0 ** k)
+        modules[shrink].weight.mul_(2.0 ** -k)
     return model, samples
+
+
+def _gate_overflow_llama():
+    """A tiny llama whose layer-0 gate pre-activation peaks above 65504: gate_proj x 2^k, up_proj / 2^k."""
+    return _overflow("llama", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
 
 
 GATE = "model.layers.0.mlp.gate_proj:out"
@@ -307,6 +313,60 @@ def test_penalty_finetune_resumes_exactly(tmp_path):
     with pytest.raises(HalfsafeError, match="other settings"):
         finetune_below_threshold(copy.deepcopy(model), samples, FinetuneConfig(steps=60, threshold=8192), teacher=teacher,
                                  progress=False, state_file=state)
+
+
+# An encoder-decoder is teacher-forced (its decoder's logits are distilled), an encoder with a head distils its
+# head's logits; both ship dropout 0.1, which the fine-tune keeps off (it would make the KL compare noise).
+T5_FF = "encoder.block.0.layer.1.DenseReluDense"
+OTHER_KINDS = {  # key: (the module blown up, its partner, KL bound: measured 2.7e-2 and 7.2e-4)
+    "t5-v1_1": (f"{T5_FF}.wi_0", f"{T5_FF}.wi_1", 5e-2),  # gelu(wi_0 x) * wi_1 x
+    "bert": ("bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.0.output.dense", FINETUNE_KL_BOUND),
+}
+
+
+@pytest.mark.parametrize("key", sorted(OTHER_KINDS))
+def test_penalty_finetune_trains_encoder_decoder_and_encoder_models(key):
+    grow, shrink, kl_bound = OTHER_KINDS[key]
+    model, samples = _overflow(key, grow, shrink)
+    teacher = copy.deepcopy(model)
+    conversion = make_fp16_safe(model, samples, allow_unfixable=True, progress=False)
+    assert f"{grow}:out" in [s for s, _ in conversion.unfixable]
+    assert not fp16_check(model, samples)["finite"]
+
+    config = FinetuneConfig()
+    report = finetune_below_threshold(model, samples, config, teacher=teacher, progress=False)
+    assert report.converged and report.steps < config.steps, report.stop_reason
+    assert report.peaks_before[f"{grow}:out"] > 65504 and report.peaks_after[f"{grow}:out"] <= config.target
+    assert report.history[0]["kl"] == 0.0  # the student starts as the teacher: no dropout in either
+    assert report.kl < kl_bound, report.kl
+    check = fp16_check(model, samples)
+    assert check["finite"] and check["peak"] <= config.threshold
+    assert torch.isfinite(logits(cast_copy(model, torch.float16), samples[0])).all()
+
+
+@pytest.mark.parametrize("key, headless, head", [("bert", "BertModel", "BertForMaskedLM"),
+                                                  ("t5-v1_1", "T5EncoderModel", "T5ForConditionalGeneration")])
+def test_penalty_finetune_refuses_a_model_without_logits(key, headless, head):
+    import transformers
+
+    model = getattr(transformers, headless)(TINY[key]()).eval()
+    samples = [tiny_ids(model, length=16)]
+    with pytest.raises(HalfsafeError, match=f"{headless} has no output logits.*load it as .*{head}"):
+        finetune_below_threshold(model, samples, FinetuneConfig(), progress=False)
+
+
+def test_cli_finetune_refuses_a_headless_checkpoint_in_one_line(tmp_path, capsys):
+    from transformers import BertModel
+
+    src, out, text = tmp_path / "src", tmp_path / "out", tmp_path / "text.txt"
+    config = TINY["bert"]()
+    config.architectures = ["BertModel"]
+    BertModel(config).save_pretrained(src)
+    text.write_text("".join(chr(32 + (i * 37) % 90) for i in range(200)))
+    assert main(["finetune", str(src), str(out), "--text", str(text), "--seq-len", "32", "--max-samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "BertModel has no output logits" in err and "BertForMaskedLM" in err
+    assert "Traceback" not in err and not out.exists()
 
 
 # -- 5. the command ------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def clamp_residual_adds(model: nn.Module, limit: float = ONNX_CLAMP) -> ClampHan
     boundary, so no hook on a module output can clamp it (clamping the block output misses the mid-block add;
     clamping the branch output bounds the write, not the sum; a patched forward per architecture would copy
     transformers code and go stale). Instead a forward hook marks each residual writer's output (the
-    post-norms of Gemma 2/3, o_proj/down_proj of Llama-style blocks; `runtime.RESIDUAL_WRITERS`) as a tensor
+    post-norms of Gemma 2/3, o_proj/down_proj of Llama-style blocks; the family's `residual_writers`) as a tensor
     subclass whose `+` clamps the sum: exactly one clamp per residual add, at the add, in the add's dtype, with
     the model's own forward code untouched. `handle.adds` counts them (2 per block and forward for a decoder).
     """

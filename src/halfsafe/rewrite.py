@@ -34,12 +34,16 @@ def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str
     return {p: [v for v in entries.values() if v[1]] for p, entries in merged.items() if any(v[1] for v in entries.values())}
 
 
-def _select_key(select) -> object:
+def select_key(select) -> object:
+    """A move's select in a hashable, comparable form (index tensors as tuples)."""
     if select is None:
         return None
     parts = tuple((dim, (index.start, index.stop, index.step) if isinstance(index, slice) else tuple(index.tolist()))
                   for dim, index in select_parts(select))
     return parts[0] if len(parts) == 1 else parts
+
+
+_select_key = select_key  # the former private name, still imported elsewhere
 
 
 def _index(t: torch.Tensor, select) -> tuple:

@@ -60,7 +60,7 @@ def load_pure_fp16(model_class: type, path, **kwargs) -> PreTrainedModel:
 # ---------------------------------------------------------------------------------------------------------------
 # A run-time option for an fp16 model that does need code at run time (a halfsafe checkpoint does not):
 # keep_residual_fp32 (the residual stream in float32, weights and matmuls in float16), and the residual writers
-# both it and the clamp baseline (halfsafe.baselines) rely on.
+# (from the family data) both it and the clamp baseline (halfsafe.baselines) rely on.
 # ---------------------------------------------------------------------------------------------------------------
 
 import types  # noqa: E402
@@ -70,52 +70,28 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from .errors import HalfsafeError  # noqa: E402
+from .families import family_for  # noqa: E402
 from .layers import find_blocks  # noqa: E402
-
-# Per block, the modules whose outputs are added to the residual stream, tried in order (the first set whose
-# modules all exist wins; longer sets first). A block's residual add is `residual + <writer output>` (possibly
-# through dropout); in Gemma 2/3 and OLMo2 the writers are the post-branch norms, not the projections before them.
-RESIDUAL_WRITERS = (
-    ("post_attention_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm"),  # Gemma 4 (per-layer inputs)
-    ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end", "feed_forward2.post_layer_norm"),  # Gemma 4 audio
-    ("post_self_attn_layernorm", "post_cross_attn_layernorm", "post_feedforward_layernorm"),  # T5Gemma decoder
-    ("post_self_attn_layernorm", "post_feedforward_layernorm"),  # T5Gemma encoder, T5Gemma 2 (sandwich norms)
-    ("post_self_attn_layernorm", "post_mlp_layernorm"),  # GLM-4 (sandwich norms)
-    ("post_attention_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3/4 (and Gemma 4 vision), OLMo2: post-branch norms
-    ("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "layer.2.DenseReluDense.wo"),  # T5 decoder block
-    ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo"),  # T5 encoder block
-    ("layer.0.LocalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # LongT5 encoder block (local)
-    ("layer.0.TransientGlobalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # LongT5 encoder block (transient-global)
-    ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"),  # BART/Pegasus decoder layer
-    ("self_attn.out_proj", "fc2"),  # BART/Pegasus encoder layer
-    ("self_attn.out_proj", "mlp.fc2"),  # SigLIP/CLIP vision encoder layer (Gemma 3's vision tower)
-    ("self_attn.o_proj", "mlp.down_proj"),  # Llama, Mistral, Qwen2/3, Gemma 1, Phi-3
-    ("attn.attention.out_proj", "mlp.c_proj"),  # GPT-Neo
-    ("attn.c_proj", "mlp.c_proj"),  # GPT-2
-    ("attention.dense", "mlp.dense_4h_to_h"),  # GPT-NeoX (parallel or sequential residual)
-    ("attention.output.dense", "output.dense"),  # BERT, RoBERTa (post-norm: LayerNorm(write + residual))
-    ("attn.proj", "mlp.fc2"),  # Qwen2-VL vision block
-    ("attn.proj", "mlp.down_proj"),  # Qwen2.5-VL vision block
-    ("self_attn.o_proj", "mlp"),  # MoE blocks (Mixtral, Qwen2/3-MoE, gpt-oss, DeepSeek): the whole MoE block's output
-)
 
 
 def residual_writers(model: nn.Module) -> list[str]:
-    """Names of the modules whose outputs are added to the residual stream, every block of `model`."""
+    """Names of the modules whose outputs are added to the residual stream, every block of `model`: in each
+    block, the first of its family's writer sets (`Family.residual_writers`) whose modules all exist."""
+    family = family_for(model.config.model_type)
     modules = dict(model.named_modules())
     blocks = find_blocks(model)
     if not blocks:
         raise HalfsafeError(f"{type(model).__name__} has no repeated blocks: no residual stream to find")
     out = []
     for block in blocks:
-        for names in RESIDUAL_WRITERS:
+        for names in family.residual_writers:
             if all(f"{block}.{n}" in modules for n in names):
                 out.extend(f"{block}.{n}" for n in names)
                 break
         else:
             raise HalfsafeError(
                 f"no known residual writers in {block} ({type(modules[block]).__name__}): "
-                "add its branch-output modules to halfsafe.runtime.RESIDUAL_WRITERS"
+                f"add its branch-output modules to the residual_writers of family {family.name} (halfsafe/families/)"
             )
     return out
 

@@ -34,59 +34,11 @@ no encoder) and fails in groups.expand. The encoder layer clamps float16 hidden 
 are already non-finite.
 """
 
+from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_pairs, class_in, linear, norm
 from .spec import Family, GroupSpec, Move, untied_head
 
 M = "model"
 ENC, DEC = f"{M}.encoder.layers", f"{M}.decoder.layers"
-
-
-def linear(path: str, power: int = 1) -> tuple[Move, ...]:
-    return (Move(f"{path}.weight", power), Move(f"{path}.bias", power))
-
-
-def norm(path: str, power: int = 1, when=None) -> tuple[Move, ...]:
-    return (Move(f"{path}.weight", power, when=when), Move(f"{path}.bias", power, when=when))
-
-
-def class_in(names):
-    names = frozenset(names)
-    return lambda model: type(model).__name__ in names
-
-
-def relu(model) -> bool:
-    return model.config.activation_function == "relu"
-
-
-def embeddings() -> tuple[Move, ...]:
-    """Every token embedding table and both position tables (tied, the stacks' tables are `shared`); used by
-    Pegasus' residual group."""
-    return (
-        Move(f"{M}.shared.weight"),
-        Move(f"{M}.encoder.embed_tokens.weight", optional=True), Move(f"{M}.decoder.embed_tokens.weight", optional=True),
-        Move(f"{M}.encoder.embed_positions.weight"), Move(f"{M}.decoder.embed_positions.weight"),
-    )
-
-
-def attention_pairs(stack: str, attn: str, name: str) -> tuple[GroupSpec, ...]:
-    a = f"{stack}.{{i}}.{attn}"
-    return (
-        GroupSpec(f"{name}_qk", (*linear(f"{a}.q_proj"), *linear(f"{a}.k_proj", -1)), per_block=True,
-                  why="q x c, k / c leaves QK^T unchanged"),
-        GroupSpec(f"{name}_vo", (*linear(f"{a}.v_proj"), Move(f"{a}.out_proj.weight", -1)), per_block=True,
-                  why="attention is linear in V"),
-    )
-
-
-def fc_pair(stack: str, name: str) -> GroupSpec:
-    L = f"{stack}.{{i}}"
-    return GroupSpec(f"{name}_fc", (*linear(f"{L}.fc1"), Move(f"{L}.fc2.weight", -1)), per_block=True, when=relu,
-                     why="relu(c x) = c relu(x)")
-
-
-def pairs() -> tuple[GroupSpec, ...]:
-    return (*attention_pairs(ENC, "self_attn", "enc"), *attention_pairs(DEC, "self_attn", "dec"),
-            *attention_pairs(DEC, "encoder_attn", "cross"), fc_pair(ENC, "enc"), fc_pair(DEC, "dec"))
-
 
 def _self_attn_reads(layer: str) -> tuple[Move, ...]:
     return (*(Move(f"{layer}.self_attn.{p}_proj.weight", -1) for p in "qkv"), *linear(f"{layer}.self_attn.out_proj"))
@@ -128,10 +80,11 @@ FAMILY = Family(
         GroupSpec("dec_out", (*norm(_LAST_DEC_NORM),
                               *(Move(f"{head}.weight", -1, when=class_in((cls,))) for cls, head in _HEADS.items())),
                   when=_dec_out, why="the decoder output, read only by the head's Linear"),
-        *pairs(),
+        *bart_pairs(),
     ),
     unfixable=("fc1 pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention; "
                "a LayerNorm's input only moves with the LayerNorm output before it"),
+    residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
     extra={"fixed_norm_eps": 1e-5},  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5): each norm whose input moves is matched only approximately",
 )

@@ -31,26 +31,14 @@ Layers with cross-attention (`add_cross_attention`, decoder configs) get no ln_a
 cross-attention, which this data does not move; every other group stays exact there.
 """
 
+from .builders import class_in, linear, norm
 from .spec import Family, GroupSpec, Move, tied_head
-
-
-def _linear(path: str, power: int = 1) -> tuple[Move, ...]:
-    return (Move(f"{path}.weight", power), Move(f"{path}.bias", power))
-
-
-def _norm(path: str, power: int = 1, when=None) -> tuple[Move, ...]:
-    return (Move(f"{path}.weight", power, when=when), Move(f"{path}.bias", power, when=when))
 
 
 def _reads(layer: str) -> tuple[Move, ...]:
     """A LayerNorm output entering `layer`: its q/k/v read it, attention.output.dense is added to it."""
     return (*(Move(f"{layer}.attention.self.{p}.weight", -1) for p in ("query", "key", "value")),
-            *_linear(f"{layer}.attention.output.dense"))
-
-
-def _class_in(names):
-    names = frozenset(names)
-    return lambda model: type(model).__name__ in names
+            *linear(f"{layer}.attention.output.dense"))
 
 
 def _no_cross_attention(model) -> bool:
@@ -70,25 +58,25 @@ def encoder_family(name: str, base: str, head_norm: str, final_readers: dict[str
         GroupSpec("embeddings", (
             Move(f"{emb}.word_embeddings.weight"), Move(f"{emb}.position_embeddings.weight"),
             Move(f"{emb}.token_type_embeddings.weight", optional=True),
-            *_norm(head_norm, -1, when=tied_head),
+            *norm(head_norm, -1, when=tied_head),
         ), why="the embedding sum is normalized; a tied decoder is undone in the head's LayerNorm"),
-        GroupSpec("ln_emb", (*_norm(f"{emb}.LayerNorm"), *_reads(f"{base}.encoder.layer.0")),
+        GroupSpec("ln_emb", (*norm(f"{emb}.LayerNorm"), *_reads(f"{base}.encoder.layer.0")),
                   why="the embedding LayerNorm's output, read by layer 0"),
-        GroupSpec("ln_attn", (*_norm(f"{L}.attention.output.LayerNorm"), Move(f"{L}.intermediate.dense.weight", -1),
-                              *_linear(f"{L}.output.dense")), per_block=True, when=_no_cross_attention,
+        GroupSpec("ln_attn", (*norm(f"{L}.attention.output.LayerNorm"), Move(f"{L}.intermediate.dense.weight", -1),
+                              *linear(f"{L}.output.dense")), per_block=True, when=_no_cross_attention,
                   why="attention LayerNorm output: intermediate / c, output.dense x c"),
-        GroupSpec("ln_out", (*_norm(f"{L}.output.LayerNorm"), *_reads(N)), per_block=True,
+        GroupSpec("ln_out", (*norm(f"{L}.output.LayerNorm"), *_reads(N)), per_block=True,
                   why="a layer's output LayerNorm, read by the next layer"),
         GroupSpec("ln_last", (
-            *_norm(f"{last}.output.LayerNorm"),
+            *norm(f"{last}.output.LayerNorm"),
             Move(f"{base}.pooler.dense.weight", -1, optional=True),
-            *(Move(f"{r}.weight", -1, when=_class_in(c for c, rs in final_readers.items() if r in rs)) for r in readers),
-        ), when=_class_in(final_readers), why="the last LayerNorm, read only by the head's Linear layers"),
-        GroupSpec("qk", (*_linear(f"{L}.attention.self.query"), *_linear(f"{L}.attention.self.key", -1)), per_block=True,
+            *(Move(f"{r}.weight", -1, when=class_in(c for c, rs in final_readers.items() if r in rs)) for r in readers),
+        ), when=class_in(final_readers), why="the last LayerNorm, read only by the head's Linear layers"),
+        GroupSpec("qk", (*linear(f"{L}.attention.self.query"), *linear(f"{L}.attention.self.key", -1)), per_block=True,
                   why="q x c, k / c leaves QK^T unchanged"),
-        GroupSpec("vo", (*_linear(f"{L}.attention.self.value"), Move(f"{L}.attention.output.dense.weight", -1)),
+        GroupSpec("vo", (*linear(f"{L}.attention.self.value"), Move(f"{L}.attention.output.dense.weight", -1)),
                   per_block=True, why="attention is linear in V"),
-        GroupSpec("ffn", (*_linear(f"{L}.intermediate.dense"), Move(f"{L}.output.dense.weight", -1)), per_block=True,
+        GroupSpec("ffn", (*linear(f"{L}.intermediate.dense"), Move(f"{L}.output.dense.weight", -1)), per_block=True,
                   when=_relu, why="relu(c x) = c relu(x)"),
     )
     return Family(
@@ -97,6 +85,7 @@ def encoder_family(name: str, base: str, head_norm: str, final_readers: dict[str
         groups=groups,
         unfixable=("intermediate.dense pre-activations and outputs (GELU is not homogeneous, so nothing pairs "
                    "intermediate with output.dense); raw QK^T logits under eager attention"),
+        residual_writers=(("attention.output.dense", "output.dense"),),  # post-norm: LayerNorm(write + residual)
         notes="each moved LayerNorm input sees its eps as eps / c**2 (layer_norm_eps 1e-12: negligible)",
     )
 

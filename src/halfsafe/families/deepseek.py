@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .llama import L
-from .mixtral import expert_up_down, mlp_up_down, moe_residual
+from .builders import LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS, expert_up_down, mlp_up_down, moe_residual
 from .spec import Family, GroupSpec, Move
 
-A = f"{L}.self_attn"
+A = "model.layers.{i}.self_attn"
 
 
 def _rope_rows(config):
@@ -65,6 +64,7 @@ FAMILY = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     fixed_eps_modules=("q_a_layernorm", "kv_a_layernorm"),
+    residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # the first_k_dense_replace dense layers, then MoE
     unfixable="gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs (SiLU is not "
               "homogeneous); raw QK^T logits under eager attention",
 )

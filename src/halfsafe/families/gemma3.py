@@ -16,8 +16,7 @@ With `vision_use_head` the tower also holds an attention-pooling head that reads
 never runs: the tower groups then do not apply (no Gemma 3 checkpoint has one).
 """
 
-from .gemma import pairs, sandwich
-from .llama import _biased
+from .builders import SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich
 from .spec import Family, GroupSpec, Move
 
 LM = "model.language_model"
@@ -34,25 +33,26 @@ FAMILY = Family(
     name="gemma3",
     model_types=("gemma3",),
     groups=(
-        GroupSpec("residual", (*sandwich(q_k_norms=True, lm=LM), Move(f"{PROJECTOR}.mm_input_projection_weight")),
+        GroupSpec("residual", (*gemma_sandwich(q_k_norms=True, lm=LM), Move(f"{PROJECTOR}.mm_input_projection_weight")),
                   eps_power=2, eps_field="text_config.rms_norm_eps", eps_modules=(LM,),
                   why="the language model's residual stream and every write into it, image tokens included"),
-        *pairs(LM),
+        *gemma_pairs(LM),
         GroupSpec("vision_residual", (
-            *_biased(f"{VT}.embeddings.patch_embedding"),
+            *biased(f"{VT}.embeddings.patch_embedding"),
             Move(f"{VT}.embeddings.position_embedding.weight"),
-            *_biased(f"{V}.self_attn.out_proj"),
-            *_biased(f"{V}.mlp.fc2"),
-            *_biased(f"{VT}.post_layernorm"),
+            *biased(f"{V}.self_attn.out_proj"),
+            *biased(f"{V}.mlp.fc2"),
+            *biased(f"{VT}.post_layernorm"),
         ), eps_power=2, eps_field="vision_config.layer_norm_eps", eps_modules=(VT, f"{PROJECTOR}.mm_soft_emb_norm"),
             when=_headless_tower, why="the SigLIP tower's residual stream, its writes and the post_layernorm the projector reads"),
-        GroupSpec("vision_vo", (*_biased(f"{V}.self_attn.v_proj"), Move(f"{V}.self_attn.out_proj.weight", -1)),
+        GroupSpec("vision_vo", (*biased(f"{V}.self_attn.v_proj"), Move(f"{V}.self_attn.out_proj.weight", -1)),
                   per_block=True, when=_headless_tower, why="attention is linear in V: V rows x c, out_proj columns / c"),
-        GroupSpec("vision_qk", (*_biased(f"{V}.self_attn.q_proj"), *_biased(f"{V}.self_attn.k_proj", -1)),
+        GroupSpec("vision_qk", (*biased(f"{V}.self_attn.q_proj"), *biased(f"{V}.self_attn.k_proj", -1)),
                   per_block=True, when=_headless_tower, why="QK^T is unchanged by q x c, k / c"),
     ),
     unfixable="gate_proj pre-activations (GELU is not homogeneous); the SigLIP fc1 pre-activations (GELU); "
               "raw QK^T logits under eager attention; the tower is not rescaled when it has a pooling head (vision_use_head)",
+    residual_writers=(SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS),
     notes="calibration runs one synthetic image (a gradient, forward.image_prompt) before the text, so the tower is "
           "scanned, probed and checked with the language model",
 )

@@ -50,6 +50,7 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   to +-65504 in fp16. Its projector (embed_audio) writes into the language model and moves with s.
 """
 
+from .builders import SANDWICH_BLOCK_WRITERS, biased, up_half
 from .spec import Family, GroupSpec, Move, tied_head
 
 
@@ -75,22 +76,13 @@ def _own_kv_blocks(model) -> list[int]:
     return [i for i, mode in enumerate(_text(model).kv_sharing_modes) if mode is None]
 
 
-def _expert_up_rows(config):
-    size = config.get_text_config().moe_intermediate_size
-    return slice(size, 2 * size)
-
-
-def _linear(param: str) -> tuple[Move, ...]:
-    return (Move(f"{param}.weight"), Move(f"{param}.bias", optional=True))
-
-
 def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...]]:
     L = f"{prefix}.layers.{{i}}"
     residual = (
         Move(f"{prefix}.embed_tokens.weight"),
         Move(f"{L}.input_layernorm.weight"),  # q/k/v norms read q/k/v_proj of it (and share the eps)
         *(Move(f"{L}.self_attn.{p}_proj.bias", optional=True) for p in "qkv"),
-        *_linear(f"{L}.self_attn.o_proj"),
+        *biased(f"{L}.self_attn.o_proj"),
         Move(f"{L}.post_attention_layernorm.weight"),
         Move(f"{L}.mlp.down_proj.weight"),
         Move(f"{L}.post_feedforward_layernorm.weight"),
@@ -105,7 +97,7 @@ def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...
     pairs = (
         GroupSpec("up_down", (Move(f"{L}.mlp.up_proj.weight"), Move(f"{L}.mlp.down_proj.weight", -1)), per_block=True,
                   why="gelu(gate) * up is linear in up: up x c, down_proj / c"),
-        GroupSpec("experts_up_down", (Move(f"{L}.experts.gate_up_proj", select=(1, _expert_up_rows)),
+        GroupSpec("experts_up_down", (Move(f"{L}.experts.gate_up_proj", select=(1, up_half("moe_intermediate_size"))),
                                       Move(f"{L}.experts.down_proj", -1)), per_block=True,
                   when=lambda m: bool(_text(m).enable_moe_block),
                   why="each expert's gelu(gate) * up is linear in up: the up rows of gate_up_proj x c, down_proj / c"),
@@ -126,6 +118,12 @@ _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-
               "QK^T logits under eager attention (no exact rescale changes them; in blocks whose keys are stored "
               "for other blocks the Q/K pair that balances q against k is not offered either)")
 
+# A block with per-layer inputs writes a third time; the vision tower's layers and blocks without them write twice.
+_PLE_BLOCK_WRITERS = (*SANDWICH_BLOCK_WRITERS, "post_per_layer_input_norm")
+# The audio tower's conformer layers (only hooked by the run-time baselines: no rescale moves the audio stream).
+_AUDIO_BLOCK_WRITERS = ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end",
+                        "feed_forward2.post_layer_norm")
+
 _TEXT_RESIDUAL, _TEXT_PAIRS = _language_model("model")
 GEMMA4_TEXT = Family(
     name="gemma4_text",
@@ -134,6 +132,7 @@ GEMMA4_TEXT = Family(
             *_TEXT_PAIRS),
     eps_attrs=("rms_norm_eps",),
     unfixable=_UNFIXABLE,
+    residual_writers=(_PLE_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
 )
 
 V = "model.vision_tower"
@@ -171,6 +170,7 @@ GEMMA4 = Family(
     ),
     eps_attrs=("rms_norm_eps",),
     eps_scope=_eps_scope,
+    residual_writers=(_PLE_BLOCK_WRITERS, _AUDIO_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
     unfixable=_UNFIXABLE + "; the audio tower's stream (its linears clamp to stored bounds and 7 of each layer's 9 "
                            "norms hard-code eps 1e-6 instead of reading the config, so no checkpoint can move their eps: "
                            "only its projector moves); the vision tower's stream where it clamps (use_clipped_linears) "

@@ -17,11 +17,12 @@ Block (modeling_glm4.Glm4DecoderLayer):
 No `x*(1+w)` gains, no soft-capping, no embedding multiplier: every move is a plain power-of-two multiplication.
 """
 
-from .llama import L, _biased
-from .phi3 import _up_rows
+from .builders import biased, up_half
 from .spec import Family, GroupSpec, Move, tied_head
 
+L = "model.layers.{i}"
 GATE_UP = f"{L}.mlp.gate_up_proj.weight"
+UP_ROWS = up_half("intermediate_size")  # rows [I, 2I) of gate_up_proj
 
 FAMILY = Family(
     name="glm4",
@@ -31,17 +32,18 @@ FAMILY = Family(
             Move("model.embed_tokens.weight"),
             Move(f"{L}.post_self_attn_layernorm.weight"),
             Move(f"{L}.post_mlp_layernorm.weight"),
-            *_biased(f"{L}.self_attn.o_proj"),
+            *biased(f"{L}.self_attn.o_proj"),
             Move(f"{L}.mlp.down_proj.weight"),
             Move("model.norm.weight", -1, when=tied_head),
         ), eps_power=2, why="the residual stream and every write into it (post-branch norms, and their inputs)"),
-        GroupSpec("vo", (*_biased(f"{L}.self_attn.v_proj"), Move(f"{L}.self_attn.o_proj.weight", -1)), per_block=True,
+        GroupSpec("vo", (*biased(f"{L}.self_attn.v_proj"), Move(f"{L}.self_attn.o_proj.weight", -1)), per_block=True,
                   why="attention is linear in V: V x c, o_proj columns / c"),
-        GroupSpec("qk", (*_biased(f"{L}.self_attn.q_proj"), *_biased(f"{L}.self_attn.k_proj", -1)), per_block=True,
+        GroupSpec("qk", (*biased(f"{L}.self_attn.q_proj"), *biased(f"{L}.self_attn.k_proj", -1)), per_block=True,
                   why="QK^T is unchanged by q x c, k / c (partial RoPE is linear)"),
-        GroupSpec("up_down", (Move(GATE_UP, select=(0, _up_rows)), Move(f"{L}.mlp.down_proj.weight", -1)),
+        GroupSpec("up_down", (Move(GATE_UP, select=(0, UP_ROWS)), Move(f"{L}.mlp.down_proj.weight", -1)),
                   per_block=True, why="up * silu(gate) is linear in up: the up half of gate_up_proj x c, down_proj / c"),
     ),
     eps_attrs=("rms_norm_eps",),
     unfixable="the gate half of gate_up_proj (SiLU is not homogeneous); raw QK^T logits under eager attention",
+    residual_writers=(("post_self_attn_layernorm", "post_mlp_layernorm"),),
 )

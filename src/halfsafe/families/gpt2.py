@@ -51,4 +51,5 @@ FAMILY = Family(
     eps_attrs=("layer_norm_epsilon",),
     unfixable="mlp.c_fc pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention "
               "without reorder_and_upcast_attn",
+    residual_writers=(("attn.c_proj", "mlp.c_proj"),),
 )

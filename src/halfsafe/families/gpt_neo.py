@@ -35,4 +35,5 @@ FAMILY = Family(
     ),
     eps_attrs=("layer_norm_epsilon",),
     unfixable="mlp.c_fc pre-activations (GELU is not homogeneous)",
+    residual_writers=(("attn.attention.out_proj", "mlp.c_proj"),),
 )

@@ -51,4 +51,5 @@ FAMILY = Family(
     ),
     eps_attrs=("layer_norm_eps",),
     unfixable="mlp.dense_h_to_4h pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention",
+    residual_writers=(("attention.dense", "mlp.dense_4h_to_h"),),  # parallel or sequential residual
 )

@@ -17,9 +17,10 @@ stream and does not move.
   limit 7), so gpt-oss's experts cannot overflow float16 there.
 """
 
-from .llama import L, _biased
-from .mixtral import EXPERTS, attention_pairs
+from .builders import EXPERTS, MOE_BLOCK_WRITERS, biased, decoder_attention_pairs
 from .spec import Family, GroupSpec, Move, tied_head
+
+L = "model.layers.{i}"
 
 FAMILY = Family(
     name="gpt_oss",
@@ -27,14 +28,15 @@ FAMILY = Family(
     groups=(
         GroupSpec("residual", (
             Move("model.embed_tokens.weight"),
-            *_biased(f"{L}.self_attn.o_proj"),
+            *biased(f"{L}.self_attn.o_proj"),
             Move(f"{EXPERTS}.down_proj"),
             Move(f"{EXPERTS}.down_proj_bias"),
             Move("model.norm.weight", -1, when=tied_head),
         ), eps_power=2, why="the residual stream and every write into it (every expert's down_proj and its bias)"),
-        *attention_pairs(qk_norm=False),
+        *decoder_attention_pairs(qk_norm=False),
     ),
     eps_attrs=("rms_norm_eps",),
+    residual_writers=(MOE_BLOCK_WRITERS,),
     unfixable="experts' gate_up pre-activations (clamped SwiGLU with up + 1: no scale passes through it; a gate "
               "pre-activation of -inf gives NaN); raw QK^T logits under eager attention",
 )

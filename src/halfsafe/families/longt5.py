@@ -18,11 +18,11 @@ its output moves by s, which k / s and v / s take back). The q/k pair moves the 
 (both come from k), so QK^T stays; v/o likewise.
 """
 
+from .builders import (T5_DEC_CROSS, T5_DEC_FF, T5_DEC_SELF, T5_DECODER_WRITERS, T5_ENC, T5_ENC_FF, has_decoder,
+                       t5_stack_pairs, weight)
 from .spec import Family, GroupSpec, Move, tied_head
-from .t5 import DEC, DEC_CROSS, DEC_FF, DEC_SELF, ENC, _stack_specs, _w, has_decoder
 
-ENC_LOCAL, ENC_TGLOBAL = f"{ENC}.0.LocalSelfAttention", f"{ENC}.0.TransientGlobalSelfAttention"
-ENC_FF = f"{ENC}.1.DenseReluDense"
+ENC_LOCAL, ENC_TGLOBAL = f"{T5_ENC}.0.LocalSelfAttention", f"{T5_ENC}.0.TransientGlobalSelfAttention"
 
 
 def local(model) -> bool:
@@ -37,15 +37,15 @@ RESIDUAL = GroupSpec("residual", (
     Move("shared.weight"),
     Move("encoder.embed_tokens.weight", optional=True),
     Move("decoder.embed_tokens.weight", optional=True),
-    _w(f"{ENC_LOCAL}.o", when=local),
-    _w(f"{ENC_TGLOBAL}.o", when=tglobal),
-    _w(f"{ENC}.0.layer_norm", when=tglobal),
-    *(_w(f"{ENC_TGLOBAL}.{p}", -1, when=tglobal) for p in "qkv"),
-    _w(f"{ENC_TGLOBAL}.global_input_layer_norm", when=tglobal),
-    _w(f"{ENC_FF}.wo"),
-    _w(f"{DEC_SELF}.o", when=has_decoder),
-    _w(f"{DEC_CROSS}.o", when=has_decoder),
-    _w(f"{DEC_FF}.wo", when=has_decoder),
+    weight(f"{ENC_LOCAL}.o", when=local),
+    weight(f"{ENC_TGLOBAL}.o", when=tglobal),
+    weight(f"{T5_ENC}.0.layer_norm", when=tglobal),
+    *(weight(f"{ENC_TGLOBAL}.{p}", -1, when=tglobal) for p in "qkv"),
+    weight(f"{ENC_TGLOBAL}.global_input_layer_norm", when=tglobal),
+    weight(f"{T5_ENC_FF}.wo"),
+    weight(f"{T5_DEC_SELF}.o", when=has_decoder),
+    weight(f"{T5_DEC_CROSS}.o", when=has_decoder),
+    weight(f"{T5_DEC_FF}.wo", when=has_decoder),
     Move("decoder.final_layer_norm.weight", -1, when=tied_head),
 ), eps_power=2, why="the residual streams of both stacks and every write into them (and the transient-global side "
                     "input, whose norm shares the eps)")
@@ -55,11 +55,14 @@ FAMILY = Family(
     model_types=("longt5",),
     groups=(
         RESIDUAL,
-        *_stack_specs("enc_local", {"self": ENC_LOCAL}, ENC_FF, when=local),
-        *_stack_specs("enc_tglobal", {"self": ENC_TGLOBAL}, ENC_FF, when=tglobal),
-        *_stack_specs("dec", {"self": DEC_SELF, "cross": DEC_CROSS}, DEC_FF, when=has_decoder),
+        *t5_stack_pairs("enc_local", {"self": ENC_LOCAL}, T5_ENC_FF, when=local),
+        *t5_stack_pairs("enc_tglobal", {"self": ENC_TGLOBAL}, T5_ENC_FF, when=tglobal),
+        *t5_stack_pairs("dec", {"self": T5_DEC_SELF, "cross": T5_DEC_CROSS}, T5_DEC_FF, when=has_decoder),
     ),
     eps_attrs=("layer_norm_epsilon",),
+    residual_writers=(T5_DECODER_WRITERS,
+                      ("layer.0.LocalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # encoder, local attention
+                      ("layer.0.TransientGlobalSelfAttention.o", "layer.1.DenseReluDense.wo")),  # transient-global
     unfixable="gated wi_0 pre-activations (GELU is not homogeneous); the wi pre-activation of an ungated "
               "non-ReLU feed-forward; raw QK^T + position bias logits under eager attention",
 )

@@ -29,9 +29,10 @@ The encoder layer clamps float16 hidden states to +-64504 after every layer; a p
 The decoder-only PegasusForCausalLM is laid out differently (no `shared`) and fails in groups.expand.
 """
 
-from .bart import M, embeddings, linear, norm, pairs
-from .spec import Family, GroupSpec, Move, tied_head
+from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_embeddings, bart_pairs, linear, norm
+from .spec import Family, GroupSpec, tied_head
 
+M = "model"
 _E, _D = f"{M}.encoder.layers.{{i}}", f"{M}.decoder.layers.{{i}}"
 
 FAMILY = Family(
@@ -39,15 +40,16 @@ FAMILY = Family(
     model_types=("pegasus",),
     groups=(
         GroupSpec("residual", (
-            *embeddings(),
+            *bart_embeddings(),
             *linear(f"{_E}.self_attn.out_proj"), *linear(f"{_E}.fc2"),
             *linear(f"{_D}.self_attn.out_proj"), *linear(f"{_D}.encoder_attn.out_proj"), *linear(f"{_D}.fc2"),
             *norm(f"{M}.decoder.layer_norm", -1, when=tied_head),
         ), why="both residual streams and every write into them; a tied head is undone in decoder.layer_norm"),
-        *pairs(),
+        *bart_pairs(),
     ),
     unfixable=("fc1 pre-activations unless the activation is relu; raw QK^T logits under eager attention; "
                "the residual scale is approximate (LayerNorm eps 1e-5 is fixed in the code)"),
+    residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
     extra={"fixed_norm_eps": 1e-5},  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5), so the residual scale is exact only up to eps / s**2",
 )

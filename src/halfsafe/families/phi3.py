@@ -10,11 +10,13 @@
 - qk: the Q rows of `qkv_proj` x c, the K rows / c (RoPE, partial or full, is linear; QK^T unchanged).
 """
 
+from .builders import LLAMA_BLOCK_WRITERS, up_half
 from .spec import Family, GroupSpec, Move, tied_head
 
 L = "model.layers.{i}"
 QKV = f"{L}.self_attn.qkv_proj.weight"
 GATE_UP = f"{L}.mlp.gate_up_proj.weight"
+UP_ROWS = up_half("intermediate_size")  # rows [I, 2I) of gate_up_proj
 
 
 def _head_dim(config) -> int:
@@ -36,10 +38,6 @@ def _v_rows(config) -> slice:
     return slice(q + kv, q + 2 * kv)
 
 
-def _up_rows(config) -> slice:
-    return slice(config.intermediate_size, 2 * config.intermediate_size)
-
-
 FAMILY = Family(
     name="phi3",
     model_types=("phi3",),
@@ -52,11 +50,12 @@ FAMILY = Family(
         ), eps_power=2, why="the residual stream and every write into it"),
         GroupSpec("vo", (Move(QKV, select=(0, _v_rows)), Move(f"{L}.self_attn.o_proj.weight", -1)), per_block=True,
                   why="attention is linear in V: V rows of qkv_proj x c, o_proj columns / c"),
-        GroupSpec("up_down", (Move(GATE_UP, select=(0, _up_rows)), Move(f"{L}.mlp.down_proj.weight", -1)), per_block=True,
+        GroupSpec("up_down", (Move(GATE_UP, select=(0, UP_ROWS)), Move(f"{L}.mlp.down_proj.weight", -1)), per_block=True,
                   why="up * silu(gate) is linear in up: the up half of gate_up_proj x c, down_proj / c"),
         GroupSpec("qk", (Move(QKV, select=(0, _q_rows)), Move(QKV, -1, select=(0, _k_rows))), per_block=True,
                   why="QK^T is unchanged by Q rows x c, K rows / c (RoPE is linear)"),
     ),
     eps_attrs=("rms_norm_eps",),
     unfixable="the gate half of gate_up_proj (SiLU is not homogeneous); raw QK^T logits under eager attention",
+    residual_writers=(LLAMA_BLOCK_WRITERS,),
 )

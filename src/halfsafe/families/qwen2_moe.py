@@ -10,6 +10,6 @@ router (`mlp.gate`) and the shared-expert gate read x, so neither moves. Layers 
 - expert_up_down (per expert, fused tensors), shared_up_down, up_down (dense layers).
 """
 
-from .mixtral import moe_family
+from .builders import moe_family
 
 FAMILY = moe_family("qwen2_moe", ("qwen2_moe",), "moe_intermediate_size", shared="shared_expert")

@@ -27,7 +27,7 @@ The language model's eps moves by s**2 with its residual group; the tower's norm
 (`eps_skip_modules`), even where the two values are equal (1e-6 in every release).
 """
 
-from .llama import _biased
+from .builders import LLAMA_BLOCK_WRITERS, biased
 from .spec import Family, GroupSpec, Move, tied_head
 
 L = "model.language_model.layers.{i}"
@@ -54,21 +54,21 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
     groups = [
         GroupSpec("residual", (
             Move("model.language_model.embed_tokens.weight"),
-            *_biased(f"{VIS}.merger.mlp.2"),
-            *_biased(f"{L}.self_attn.o_proj"),
-            *_biased(f"{L}.mlp.down_proj"),
+            *biased(f"{VIS}.merger.mlp.2"),
+            *biased(f"{L}.self_attn.o_proj"),
+            *biased(f"{L}.mlp.down_proj"),
             Move("model.language_model.norm.weight", -1, when=tied_head),
         ), eps_power=2, why="the language model's residual stream and every write into it, image embeddings included"),
-        GroupSpec("vo", (*_biased(f"{L}.self_attn.v_proj"), Move(f"{L}.self_attn.o_proj.weight", -1)), per_block=True,
+        GroupSpec("vo", (*biased(f"{L}.self_attn.v_proj"), Move(f"{L}.self_attn.o_proj.weight", -1)), per_block=True,
                   why="attention is linear in V: V rows x c, o_proj columns / c"),
-        GroupSpec("up_down", (*_biased(f"{L}.mlp.up_proj"), Move(f"{L}.mlp.down_proj.weight", -1)), per_block=True,
+        GroupSpec("up_down", (*biased(f"{L}.mlp.up_proj"), Move(f"{L}.mlp.down_proj.weight", -1)), per_block=True,
                   why="the gated product is linear in up: up x c, down_proj / c"),
-        GroupSpec("qk", (*_biased(f"{L}.self_attn.q_proj"), *_biased(f"{L}.self_attn.k_proj", -1)), per_block=True,
+        GroupSpec("qk", (*biased(f"{L}.self_attn.q_proj"), *biased(f"{L}.self_attn.k_proj", -1)), per_block=True,
                   why="QK^T is unchanged by q x c, k / c (M-RoPE is linear)"),
         GroupSpec("vision_residual", (
             Move(f"{VIS}.patch_embed.proj.weight"),
-            *_biased(f"{B}.attn.proj"),
-            *_biased(f"{B}.mlp.{mlp_out}"),
+            *biased(f"{B}.attn.proj"),
+            *biased(f"{B}.mlp.{mlp_out}"),
         ), why="the vision tower's residual stream and every write into it (its norms' eps is fixed in code)"),
         GroupSpec("vis_vo", (*_qkv(2), Move(f"{B}.attn.proj.weight", -1)), per_block=True,
                   why="attention is linear in V: V rows of qkv x c, proj columns / c"),
@@ -76,7 +76,7 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
                   why="QK^T is unchanged by Q rows of qkv x c, K rows / c (rotary is linear)"),
     ]
     if gated:
-        groups.append(GroupSpec("vis_up_down", (*_biased(f"{B}.mlp.up_proj"), Move(f"{B}.mlp.down_proj.weight", -1)),
+        groups.append(GroupSpec("vis_up_down", (*biased(f"{B}.mlp.up_proj"), Move(f"{B}.mlp.down_proj.weight", -1)),
                                 per_block=True, why="silu(gate) * up is linear in up: up x c, down_proj / c"))
     vision_mlp = "gate_proj pre-activations" if gated else "fc1 pre-activations (quick_gelu is not homogeneous)"
     return Family(
@@ -85,6 +85,7 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
         groups=tuple(groups),
         eps_attrs=("rms_norm_eps",),
         eps_skip_modules=(VIS,),
+        residual_writers=(LLAMA_BLOCK_WRITERS, ("attn.proj", f"mlp.{mlp_out}")),  # language model, vision tower
         unfixable=(f"gate_proj pre-activations (SiLU is not homogeneous); the vision tower's {vision_mlp} and its "
                    "merger's mlp.0 pre-activations (GELU); raw QK^T logits under eager attention; the vision "
                    "residual moves only up to its norms' fixed eps (1e-6 / s**2)"),

@@ -11,6 +11,6 @@ on q and k (`self_attn.q_norm`, `self_attn.k_norm`, gain over head_dim) that sha
   the gains instead; RoPE is linear and QK^T is unchanged.
 """
 
-from .llama import llama_like
+from .builders import llama_like
 
 FAMILY = llama_like("qwen3", ("qwen3",), qk_norm=True)

@@ -6,6 +6,6 @@ without a shared expert; `mlp_only_layers` have a dense gated MLP.
 - expert_up_down (per expert, fused tensors), up_down (dense layers).
 """
 
-from .mixtral import moe_family
+from .builders import moe_family
 
 FAMILY = moe_family("qwen3_moe", ("qwen3_moe",), "moe_intermediate_size", qk_norm=True)

@@ -133,6 +133,12 @@ class Family:
     fixed_eps_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
+    # The modules whose outputs a block adds to its residual stream, named from the block (`self_attn.o_proj`), one
+    # set per kind of block the family's models hold (decoder and encoder layers, a vision tower's layers). For each
+    # block the first set whose modules all exist is taken, so a set goes before any set it contains. In sandwich
+    # and post-norm blocks the writers are the norms after the branches. The fp32-residual and clamp baselines
+    # (halfsafe.runtime, halfsafe.baselines) hook them; the rescale itself does not read them.
+    residual_writers: tuple[tuple[str, ...], ...] = ()
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -142,6 +148,18 @@ class Family:
             raise ValueError(f"family {self.name}: group names repeat: {names}")
         if any(g.eps_power and not g.eps_field for g in self.groups) and not self.eps_attrs:
             raise ValueError(f"family {self.name}: a group moves the eps but eps_attrs is empty")
+        _check_writer_sets(self.name, self.residual_writers)
+
+
+def _check_writer_sets(family: str, sets) -> None:
+    """Each set a non-empty tuple of module names, and none hidden behind an earlier set it contains."""
+    for i, names in enumerate(sets):
+        if not isinstance(names, tuple) or not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"family {family}: residual_writers holds tuples of module names, not {names!r}")
+        hidden = next((earlier for earlier in sets[:i] if set(earlier) <= set(names)), None)
+        if hidden is not None:
+            raise ValueError(f"family {family}: residual writer set {names} can never be chosen: {hidden}, listed "
+                             "before it, matches every block it does (list the longer set first)")
 
 
 def tied_head(model) -> bool:

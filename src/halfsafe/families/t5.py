@@ -21,63 +21,21 @@ Encoder block (the decoder inserts cross-attention as layer.1, so its feed-forwa
 transformers keeps `wo` in float32 when loading float16 (`_keep_in_fp32_modules`): see halfsafe.runtime.
 """
 
+from .builders import (T5_DEC_CROSS, T5_DEC_FF, T5_DEC_SELF, T5_DECODER_WRITERS, T5_ENC, T5_ENC_FF, has_decoder,
+                       t5_stack_pairs, weight)
 from .spec import Family, GroupSpec, Move, tied_head
 
-ENC, DEC = "encoder.block.{i}.layer", "decoder.block.{i}.layer"
-ENC_SELF, ENC_FF = f"{ENC}.0.SelfAttention", f"{ENC}.1.DenseReluDense"
-DEC_SELF, DEC_CROSS, DEC_FF = f"{DEC}.0.SelfAttention", f"{DEC}.1.EncDecAttention", f"{DEC}.2.DenseReluDense"
-
-
-def has_decoder(model) -> bool:
-    """False for the encoder-only classes (T5EncoderModel, the usual text encoder of diffusion models)."""
-    return getattr(model, "decoder", None) is not None
-
-
-def relu_ff(model) -> bool:
-    return not model.config.is_gated_act and model.config.dense_act_fn == "relu"
-
-
-def gated_ff(model) -> bool:
-    return model.config.is_gated_act
-
-
-def _w(module: str, power: int = 1, when=None) -> Move:
-    return Move(f"{module}.weight", power, when=when)
-
-
-def _all(*conditions):
-    conditions = [c for c in conditions if c is not None]
-    return lambda model: all(c(model) for c in conditions)
-
-
-def _stack_specs(stack: str, attentions: dict[str, str], ff: str, when=None) -> tuple[GroupSpec, ...]:
-    """The pairs inside one stack's blocks: v/o and q/k per attention module, and the feed-forward pair."""
-    specs = []
-    for kind, attn in attentions.items():
-        specs += [
-            GroupSpec(f"{stack}_{kind}_vo", (_w(f"{attn}.v"), _w(f"{attn}.o", -1)), per_block=True, when=when,
-                      why="attention is linear in V: v x c, o columns / c"),
-            GroupSpec(f"{stack}_{kind}_qk", (_w(f"{attn}.q"), _w(f"{attn}.k", -1)), per_block=True, when=when,
-                      why="QK^T (and so QK^T + position bias) is unchanged by q x c, k / c"),
-        ]
-    specs += [
-        GroupSpec(f"{stack}_wi_wo", (_w(f"{ff}.wi"), _w(f"{ff}.wo", -1)), per_block=True, when=_all(when, relu_ff),
-                  why="ReLU is positively homogeneous: wi x c, wo / c"),
-        GroupSpec(f"{stack}_wi1_wo", (_w(f"{ff}.wi_1"), _w(f"{ff}.wo", -1)), per_block=True,
-                  when=_all(when, gated_ff), why="the gated product is linear in wi_1: wi_1 x c, wo / c"),
-    ]
-    return tuple(specs)
-
+T5_ENC_SELF = f"{T5_ENC}.0.SelfAttention"
 
 RESIDUAL = GroupSpec("residual", (
     Move("shared.weight"),
     Move("encoder.embed_tokens.weight", optional=True),
     Move("decoder.embed_tokens.weight", optional=True),
-    _w(f"{ENC_SELF}.o"),
-    _w(f"{ENC_FF}.wo"),
-    _w(f"{DEC_SELF}.o", when=has_decoder),
-    _w(f"{DEC_CROSS}.o", when=has_decoder),
-    _w(f"{DEC_FF}.wo", when=has_decoder),
+    weight(f"{T5_ENC_SELF}.o"),
+    weight(f"{T5_ENC_FF}.wo"),
+    weight(f"{T5_DEC_SELF}.o", when=has_decoder),
+    weight(f"{T5_DEC_CROSS}.o", when=has_decoder),
+    weight(f"{T5_DEC_FF}.wo", when=has_decoder),
     Move("decoder.final_layer_norm.weight", -1, when=tied_head),
 ), eps_power=2, why="the residual streams of both stacks and every write into them")
 
@@ -86,13 +44,14 @@ FAMILY = Family(
     model_types=("t5", "mt5", "umt5"),
     groups=(
         RESIDUAL,
-        *_stack_specs("enc", {"self": ENC_SELF}, ENC_FF),
-        *_stack_specs("dec", {"self": DEC_SELF, "cross": DEC_CROSS}, DEC_FF, when=has_decoder),
+        *t5_stack_pairs("enc", {"self": T5_ENC_SELF}, T5_ENC_FF),
+        *t5_stack_pairs("dec", {"self": T5_DEC_SELF, "cross": T5_DEC_CROSS}, T5_DEC_FF, when=has_decoder),
     ),
     eps_attrs=("layer_norm_epsilon",),
     unfixable="gated wi_0 pre-activations (GELU is not homogeneous); the wi pre-activation of an ungated "
               "non-ReLU feed-forward; raw QK^T + position bias logits under eager attention",
     fp32_modules_to_release=("wo",),
+    residual_writers=(T5_DECODER_WRITERS, ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo")),  # decoder, encoder
     notes="load float16 checkpoints with halfsafe.runtime.load_pure_fp16: a plain from_pretrained keeps wo "
           "in float32, which silently makes the residual float32",
 )

@@ -21,8 +21,8 @@ The encoder-only class (T5GemmaEncoderModel, `encoder.` without `model.`) is lai
 groups.expand.
 """
 
-from .llama import _biased
-from .spec import GAIN1P, Family, GroupSpec, Move
+from .builders import T5GEMMA_SELF_WRITERS, biased, gain, t5gemma_up_down
+from .spec import Family, GroupSpec, Move
 
 ENC, DEC = "model.encoder.layers.{i}", "model.decoder.layers.{i}"
 
@@ -33,38 +33,29 @@ def decoder_tied_head(model) -> bool:
     return head is not None and decoder is not None and head.weight is decoder.embed_tokens.weight
 
 
-def _gain(param: str, power: int = 1, when=None) -> Move:
-    return Move(f"{param}.weight", power, GAIN1P, when=when)
-
-
 def attention_pairs(stack: str, attn: str) -> tuple[GroupSpec, ...]:
     return (
-        GroupSpec(f"{stack}_vo", (*_biased(f"{attn}.v_proj"), Move(f"{attn}.o_proj.weight", -1)), per_block=True,
+        GroupSpec(f"{stack}_vo", (*biased(f"{attn}.v_proj"), Move(f"{attn}.o_proj.weight", -1)), per_block=True,
                   why="attention is linear in V: v x c, o_proj columns / c"),
-        GroupSpec(f"{stack}_qk", (*_biased(f"{attn}.q_proj"), *_biased(f"{attn}.k_proj", -1)), per_block=True,
+        GroupSpec(f"{stack}_qk", (*biased(f"{attn}.q_proj"), *biased(f"{attn}.k_proj", -1)), per_block=True,
                   why="QK^T (so the soft-capped logits) is unchanged by q x c, k / c (RoPE is linear)"),
     )
 
 
-def up_down(stack: str, layer: str) -> GroupSpec:
-    return GroupSpec(f"{stack}_up_down", (*_biased(f"{layer}.mlp.up_proj"), Move(f"{layer}.mlp.down_proj.weight", -1)),
-                     per_block=True, why="gelu(gate) * up is linear in up: up x c, down_proj / c")
-
-
 RESIDUAL = GroupSpec("residual", (
     Move("model.encoder.embed_tokens.weight"),
-    _gain(f"{ENC}.post_self_attn_layernorm"),
-    _gain(f"{ENC}.post_feedforward_layernorm"),
-    *_biased(f"{ENC}.self_attn.o_proj"),
-    *_biased(f"{ENC}.mlp.down_proj"),
+    gain(f"{ENC}.post_self_attn_layernorm"),
+    gain(f"{ENC}.post_feedforward_layernorm"),
+    *biased(f"{ENC}.self_attn.o_proj"),
+    *biased(f"{ENC}.mlp.down_proj"),
     Move("model.decoder.embed_tokens.weight"),
-    _gain(f"{DEC}.post_self_attn_layernorm"),
-    _gain(f"{DEC}.post_cross_attn_layernorm"),
-    _gain(f"{DEC}.post_feedforward_layernorm"),
-    *_biased(f"{DEC}.self_attn.o_proj"),
-    *_biased(f"{DEC}.cross_attn.o_proj"),
-    *_biased(f"{DEC}.mlp.down_proj"),
-    _gain("model.decoder.norm", -1, when=decoder_tied_head),
+    gain(f"{DEC}.post_self_attn_layernorm"),
+    gain(f"{DEC}.post_cross_attn_layernorm"),
+    gain(f"{DEC}.post_feedforward_layernorm"),
+    *biased(f"{DEC}.self_attn.o_proj"),
+    *biased(f"{DEC}.cross_attn.o_proj"),
+    *biased(f"{DEC}.mlp.down_proj"),
+    gain("model.decoder.norm", -1, when=decoder_tied_head),
 ), eps_power=2, why="both residual streams and every write into them (post-branch norms and their inputs)")
 
 FAMILY = Family(
@@ -75,10 +66,12 @@ FAMILY = Family(
         *attention_pairs("enc_self", f"{ENC}.self_attn"),
         *attention_pairs("dec_self", f"{DEC}.self_attn"),
         *attention_pairs("dec_cross", f"{DEC}.cross_attn"),
-        up_down("enc", ENC),
-        up_down("dec", DEC),
+        t5gemma_up_down("enc", ENC),
+        t5gemma_up_down("dec", DEC),
     ),
     eps_attrs=("rms_norm_eps",),
+    residual_writers=(("post_self_attn_layernorm", "post_cross_attn_layernorm", "post_feedforward_layernorm"),  # decoder
+                      T5GEMMA_SELF_WRITERS),  # encoder
     unfixable="gate_proj pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention "
               "(soft-capped at 50 after the matmul)",
 )

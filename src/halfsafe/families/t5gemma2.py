@@ -26,9 +26,8 @@ Encoder input: embed(ids), with image tokens replaced by the projector's output
 Trap (as Gemma 2/3): s(1+w)-1 stored in 16 bits rounds, more as s shrinks; the planner measures it.
 """
 
-from .llama import _biased
-from .spec import GAIN1P, Family, GroupSpec, Move, tied_head
-from .t5gemma import up_down
+from .builders import SIGLIP_BLOCK_WRITERS, T5GEMMA_SELF_WRITERS, biased, gain, t5gemma_up_down
+from .spec import Family, GroupSpec, Move, tied_head
 
 ENC, DEC = "model.encoder.text_model.layers.{i}", "model.decoder.layers.{i}"
 EMB = "model.encoder.text_model.embed_tokens"
@@ -36,27 +35,23 @@ VIS = "model.encoder.vision_tower"
 V = f"{VIS}.encoder.layers.{{i}}.self_attn"
 
 
-def _gain(param: str, power: int = 1, when=None) -> Move:
-    return Move(f"{param}.weight", power, GAIN1P, when=when)
-
-
 def _stack_writes(layer: str) -> tuple[Move, ...]:
     return (
-        _gain(f"{layer}.post_self_attn_layernorm"),
-        _gain(f"{layer}.post_feedforward_layernorm"),
-        *_biased(f"{layer}.self_attn.o_proj"),
-        *_biased(f"{layer}.self_attn.q_proj"),  # read by q_norm, which shares the eps
-        *_biased(f"{layer}.self_attn.k_proj"),  # read by k_norm
-        *_biased(f"{layer}.mlp.down_proj"),
+        gain(f"{layer}.post_self_attn_layernorm"),
+        gain(f"{layer}.post_feedforward_layernorm"),
+        *biased(f"{layer}.self_attn.o_proj"),
+        *biased(f"{layer}.self_attn.q_proj"),  # read by q_norm, which shares the eps
+        *biased(f"{layer}.self_attn.k_proj"),  # read by k_norm
+        *biased(f"{layer}.mlp.down_proj"),
     )
 
 
 def _pairs(stack: str, layer: str) -> tuple[GroupSpec, ...]:
     attn = f"{layer}.self_attn"
     return (
-        GroupSpec(f"{stack}_vo", (*_biased(f"{attn}.v_proj"), Move(f"{attn}.o_proj.weight", -1)), per_block=True,
+        GroupSpec(f"{stack}_vo", (*biased(f"{attn}.v_proj"), Move(f"{attn}.o_proj.weight", -1)), per_block=True,
                   why="attention is linear in V: v_proj x c, o_proj columns / c"),
-        up_down(stack, layer),
+        t5gemma_up_down(stack, layer),
     )
 
 
@@ -72,17 +67,18 @@ FAMILY = Family(
             Move("model.encoder.multi_modal_projector.mm_input_projection_weight"),
             *_stack_writes(ENC),
             *_stack_writes(DEC),
-            _gain("model.decoder.norm", -1, when=tied_head),
+            gain("model.decoder.norm", -1, when=tied_head),
         ), eps_power=2, why="both residual streams and every write into them, image embeddings included"),
         *_pairs("enc", ENC),
         *_pairs("dec", DEC),
-        GroupSpec("vis_vo", (*_biased(f"{V}.v_proj"), Move(f"{V}.out_proj.weight", -1)), per_block=True,
+        GroupSpec("vis_vo", (*biased(f"{V}.v_proj"), Move(f"{V}.out_proj.weight", -1)), per_block=True,
                   why="attention is linear in V: v_proj x c, out_proj columns / c"),
-        GroupSpec("vis_qk", (*_biased(f"{V}.q_proj"), *_biased(f"{V}.k_proj", -1)), per_block=True,
+        GroupSpec("vis_qk", (*biased(f"{V}.q_proj"), *biased(f"{V}.k_proj", -1)), per_block=True,
                   why="QK^T is unchanged by q_proj x c, k_proj / c"),
     ),
     eps_attrs=("rms_norm_eps",),
     eps_skip_modules=(VIS, "model.encoder.multi_modal_projector"),
+    residual_writers=(T5GEMMA_SELF_WRITERS, SIGLIP_BLOCK_WRITERS),  # encoder and decoder (merged attention), vision tower
     unfixable=("gate_proj pre-activations (GELU is not homogeneous); the vision tower's residual stream (its "
                "LayerNorm eps is a separate config field) and fc1 pre-activations (GELU); raw QK^T logits under "
                "eager attention"),

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..families import GAIN1P, MUL, Family, family_for
 from ..groups import Group, expand
-from ..rewrite import _index, _select_key, apply_exponents_, eps_exponent, move_eps_, scale_eps_, tensor_exponents
+from ..rewrite import apply_exponents_, move_eps_, scale_tensor_, select_key, tensor_exponents
 
 
 def innermost_optimizer(optimizer) -> torch.optim.Optimizer:
@@ -135,9 +135,11 @@ class TrainingRescaler:
                 (_, e, _), = gain
                 if name not in self._shadows and shadows_from_model:
                     # w_ref = (1 + w') / S - 1: exact whenever w' was computed from w_ref by S (no rounding)
-                    self._shadows[name] = ((1.0 + p.detach().double()) / 2.0 ** e - 1.0).to(p.dtype)
+                    self._shadows[name] = p.detach().clone()
+                    scale_tensor_(self._shadows[name], GAIN1P, -e)
                 # one rounding from the reference value, however many rescales came before
-                p.data.copy_(((1.0 + self._shadows[name].double()) * 2.0 ** e - 1.0).to(p.dtype))
+                p.data.copy_(self._shadows[name])
+                scale_tensor_(p.data, GAIN1P, e)
             if _key(self._maps.get(name)) != _key(entries):
                 old = self._grad_hooks.pop(name, None)
                 if old is not None:
@@ -157,7 +159,7 @@ class TrainingRescaler:
             p = self._params[name]
             for kind, e, select in entries:
                 if kind == MUL:
-                    _scale(p.data, -e, select)
+                    scale_tensor_(p.data, MUL, -e, select)
             if name in self._shadows:
                 p.data.copy_(self._shadows[name])
 
@@ -168,10 +170,7 @@ class TrainingRescaler:
             if name in self._shadows:
                 self._shadows[name].copy_(p.data)
             for kind, e, select in entries:
-                if kind == MUL:
-                    _scale(p.data, e, select)
-                else:
-                    p.data.copy_(((1.0 + p.data.double()) * 2.0 ** e - 1.0).to(p.dtype))
+                scale_tensor_(p.data, kind, e, select)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -187,23 +186,14 @@ class TrainingRescaler:
 
 
 def _key(entries) -> list | None:
-    return None if entries is None else [(k, e, _select_key(s)) for k, e, s in entries]
-
-
-def _scale(t: torch.Tensor, exponent: int, select) -> None:
-    s = 2.0 ** exponent
-    if select is None:
-        t.mul_(s)
-    else:
-        idx = _index(t, select)
-        t[idx] = t[idx] * s
+    return None if entries is None else [(k, e, select_key(s)) for k, e, s in entries]
 
 
 def _grad_to_reference(entries):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
         for _, e, select in entries:  # d p'/d p = S for both kinds: g_ref = S g'
-            _scale(grad, e, select)
+            scale_tensor_(grad, MUL, e, select)
         return grad
 
     return hook

@@ -22,6 +22,12 @@ watched ones), once that still holds; or after `steps`. The polish lets the KL r
 brought the peaks down overshoots, and the hinge holds them while the distillation pulls back. With a state file it saves the trained tensors and the optimizer every `save_every` steps
 and resumes from there.
 
+Any model kind with output logits trains the same way: every forward pass goes through forward.model_inputs,
+so an encoder-decoder (T5) is teacher-forced on the sample (its decoder reads the text shifted right, as in the
+scan) and the KL compares the decoder's logits; an encoder with a head (BERT for masked LM) compares its head's.
+A model without a head (BertModel, T5EncoderModel, an embedding model) has no logits to stay close to: it is
+refused before anything runs (`require_logits`).
+
 `finetune_checkpoint` is the whole pipeline behind `halfsafe finetune`: load, exact rescale first
 (`make_fp16_safe(..., allow_unfixable=True)`), fine-tune what is left, save an ordinary fp16 checkpoint.
 """
@@ -43,6 +49,7 @@ from torch import nn
 
 from ..errors import HalfsafeError
 from ..formats import FP16_MAX
+from ..forward import model_inputs
 from ..layers import find_blocks
 from ..scan import collect
 from ..stats import first_tensor
@@ -153,6 +160,34 @@ class _Penalty:
         self._handles.clear()
 
 
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The logits the KL compares, from the same inputs the scan gives the model (teacher-forced decoder)."""
+    return model(**model_inputs(model, ids), use_cache=False).logits
+
+
+def _head_classes(config) -> list[str]:
+    """Model classes with a language-model head for this config (the fix a headless model needs)."""
+    import transformers
+
+    found = []
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM"):
+        mapping = getattr(transformers, auto)._model_mapping
+        if type(config) in mapping:
+            found.append(mapping[type(config)].__name__)
+    return found
+
+
+@torch.no_grad()
+def require_logits(model: nn.Module, sample: torch.Tensor) -> None:
+    """Fail now, in one line, if `model` gives no logits to distil against (a model without a head)."""
+    out = model(**model_inputs(model, sample[:, :2]), use_cache=False)
+    if getattr(out, "logits", None) is None:
+        heads = _head_classes(model.config)
+        fix = f"load it as {' or '.join(heads)}" if heads else "load it with a head that outputs logits"
+        raise HalfsafeError(f"{type(model).__name__} has no output logits for the fine-tune to stay close to: {fix} "
+                            "(the class named in config.json's \"architectures\")")
+
+
 def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Mean KL(teacher || student) per token, in nats."""
     s = F.log_softmax(logits.float(), dim=-1).reshape(-1, logits.shape[-1])
@@ -162,7 +197,7 @@ def _kl(teacher_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _teacher_logp(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(teacher(input_ids=ids, use_cache=False).logits.float(), dim=-1)
+    return F.log_softmax(_logits(teacher, ids).float(), dim=-1)
 
 
 # -- what trains ----------------------------------------------------------------------------------
@@ -257,6 +292,7 @@ def finetune_below_threshold(
     config.check()
     if not samples:
         raise HalfsafeError("no samples to fine-tune on: pass --text with some text")
+    require_logits(model, samples[0])
     torch.manual_seed(config.seed)
     teacher = teacher if teacher is not None else copy.deepcopy(model)
     teacher.eval().requires_grad_(False)
@@ -299,7 +335,9 @@ def finetune_below_threshold(
     reached_at: int | None = state.get("reached_at") if state else None  # step the target was first met
     penalty = _Penalty(model, watched, config.hinge)
     stop_reason, step = "", step0
-    model.train()
+    # Dropout stays off (eval mode; gradients flow all the same): the KL compares the student's function with the
+    # teacher's, and T5 and BERT checkpoints ship dropout 0.1, which would add noise to both the KL and the peaks.
+    model.eval()
     columns = (TextColumn("fine-tune"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
     try:
         with Progress(*columns, disable=not progress, transient=False) as bar:
@@ -313,8 +351,7 @@ def finetune_below_threshold(
                     if cache_ok:
                         teacher_cache[i] = t_logp
                 penalty.reset()
-                logits = model(input_ids=ids, use_cache=False).logits
-                kl = _kl(t_logp, logits)
+                kl = _kl(t_logp, _logits(model, ids))
                 pen = penalty.total / ids.numel() if penalty.total is not None else torch.zeros(())
                 loss = kl + config.penalty_weight * pen
                 opt.zero_grad(set_to_none=True)
@@ -326,9 +363,7 @@ def finetune_below_threshold(
                 history.append({"step": step, "kl": float(kl.detach()), "penalty": float(pen.detach()), "peak": peak})
                 bar.update(task, completed=step, info=f"KL {float(kl.detach()):.2e}  peak {peak:.4g} / target {target:.4g}")
                 if len(last_peak) == len(samples) and max(last_peak.values()) <= target:
-                    model.eval()
                     sites = collect(model, samples, progress=False)
-                    model.train()
                     new = [s for s, st in sites.items() if st.abs_max > threshold and s not in watched]
                     if not new and _max_watched(sites, watched) <= target:
                         reached_at = step if reached_at is None else reached_at
@@ -366,7 +401,7 @@ def finetune_below_threshold(
                        else f"reached --steps {config.steps} with peaks still above the target")
     top = max(sites.values(), key=lambda s: s.abs_max)
     with torch.no_grad():
-        kls = [float(_kl(_teacher_logp(teacher, s), model(input_ids=s, use_cache=False).logits)) for s in samples]
+        kls = [float(_kl(_teacher_logp(teacher, s), _logits(model, s))) for s in samples]
     return FinetuneReport(
         steps=step, stop_reason=stop_reason, threshold=threshold, target=target, watched=watched, trainable=trainable,
         peaks_before=peaks_before, peaks_after={s: sites[s].abs_max for s in watched if s in sites},
@@ -423,6 +458,8 @@ def finetune_checkpoint(
     family_for(model.config.model_type)  # unsupported architectures fail before the slow part
     vocab = model.config.get_text_config().vocab_size
     samples = make_samples(texts, loaded.tokenizer, vocab, seq_len, max_samples)
+    if samples:
+        require_logits(model, samples[0])  # before the slow part, as for an unsupported architecture
     teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
     conversion = make_fp16_safe(model, samples, headroom_bits=config.headroom_bits, allow_unfixable=True, progress=progress)
     report = finetune_below_threshold(model, samples, config, teacher, progress, state_file)

@@ -1,0 +1,114 @@
+"""The family registry: every data module listed once, family modules independent of each other, mistakes in
+the data caught when the table is built, and the residual writers each family lists found in its models."""
+
+from __future__ import annotations
+
+import ast
+import re
+import pkgutil
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import halfsafe.families as families
+from halfsafe.errors import HalfsafeError, UnsupportedModelError
+from halfsafe.families import REFUSED, REGISTRY, family_for, supported_model_types
+from halfsafe.families.registry import FAMILY_MODULES, FamilyDataError, build, load_modules
+from halfsafe.families.spec import Family, GroupSpec, Move
+from halfsafe.layers import find_blocks
+from halfsafe.runtime import residual_writers
+from tiny import TINY, make_tiny
+
+PACKAGE = Path(families.__file__).parent
+NOT_DATA = {"__init__", "spec", "builders", "registry"}
+
+
+def test_every_data_module_is_listed_once():
+    on_disk = {m.name for m in pkgutil.iter_modules([str(PACKAGE)])} - NOT_DATA
+    assert sorted(FAMILY_MODULES) == sorted(on_disk)
+
+
+def test_family_modules_import_only_the_vocabulary_and_the_builders():
+    for name in FAMILY_MODULES:
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+        assert {node.module for node in relative} <= {"spec", "builders"}, name
+        private = [a.name for node in relative for a in node.names if a.name.startswith("_")]
+        assert not private, f"{name} imports private names {private}"
+
+
+def _module(name: str, **data) -> ModuleType:
+    module = ModuleType(f"halfsafe.families.{name}")
+    module.__dict__.update(data)
+    return module
+
+
+def _family(name: str, *model_types: str, writers=(("self_attn.o_proj", "mlp.down_proj"),)) -> Family:
+    group = GroupSpec("residual", (Move("model.embed_tokens.weight"),))
+    return Family(name=name, model_types=model_types, groups=(group,), residual_writers=writers)
+
+
+def test_build_registers_families_and_refusals():
+    registry, refused = build([_module("a", FAMILY=_family("a", "x", "y")),
+                               _module("b", FAMILIES=(_family("b", "z"),), REFUSED={"w": "no exact rescale: why"})])
+    assert sorted(registry) == ["x", "y", "z"] and registry["x"] is registry["y"]
+    assert refused == {"w": "no exact rescale: why"}
+
+
+@pytest.mark.parametrize("modules, message", [
+    ([_module("a", FAMILY=_family("a", "x")), _module("b", FAMILY=_family("b", "x"))], "'x' is claimed by a and b"),
+    ([_module("a", FAMILY=_family("a", "x")), _module("b", FAMILY=_family("a", "y"))], "family name 'a' is defined in"),
+    ([_module("a")], "defines no FAMILY, FAMILIES or REFUSED"),
+    ([_module("a", FAMILY=_family("a", "x"), FAMILIES=())], "both FAMILY and FAMILIES"),
+    ([_module("a", FAMILY="llama")], "is not a Family"),
+    ([_module("a", FAMILY=_family("a"))], "names no model_type"),
+    ([_module("a", FAMILY=_family("a", "x", writers=()))], "lists no residual_writers"),
+    ([_module("a", FAMILY=_family("a", "x"), REFUSED={"x": "why"})], "both supported and refused: x"),
+    ([_module("a", REFUSED={"x": "why"}), _module("b", REFUSED={"x": "why"})], "refused in halfsafe.families.a and"),
+    ([_module("a", REFUSED={"x": ""})], "needs a one-line reason"),
+])
+def test_build_fails_loudly_on_contradicting_data(modules, message):
+    with pytest.raises(FamilyDataError, match=message.replace("(", r"\(")):
+        build(modules)
+
+
+def test_a_module_listed_twice_fails():
+    with pytest.raises(FamilyDataError, match="listed twice.*llama"):
+        load_modules(("llama", "t5", "llama"))
+
+
+def test_writer_sets_are_checked_where_the_family_is_written():
+    with pytest.raises(ValueError, match="can never be chosen"):  # the shorter set would always win
+        _family("a", "x", writers=(("o_proj",), ("o_proj", "down_proj")))
+    with pytest.raises(ValueError, match="tuples of module names"):  # a bare set, not a tuple of sets
+        _family("a", "x", writers=("o_proj", "down_proj"))
+
+
+def test_unknown_and_refused_model_types_fail_with_the_fix():
+    with pytest.raises(UnsupportedModelError) as e:
+        family_for("no_such_model")
+    text = str(e.value)
+    assert "'no_such_model'" in text and ", ".join(supported_model_types()) in text
+    assert "families/<name>.py" in text and "families/registry.py" in text
+    assert REFUSED, "gemma3n is refused with a reason"
+    for model_type, reason in REFUSED.items():
+        with pytest.raises(UnsupportedModelError, match="^" + re.escape(reason[:40])):
+            family_for(model_type)
+    assert supported_model_types() == sorted(REGISTRY)
+
+
+@pytest.mark.parametrize("key", sorted(TINY))
+def test_every_block_of_every_tiny_model_has_residual_writers(key):
+    model = make_tiny(key)
+    modules = dict(model.named_modules())
+    writers = residual_writers(model)
+    assert len(writers) >= 2 * len(find_blocks(model)) and all(w in modules for w in writers)
+
+
+def test_a_block_without_known_writers_names_the_family_to_extend(monkeypatch):
+    model = make_tiny("llama")
+    monkeypatch.setitem(REGISTRY, "llama", replace(family_for("llama"), residual_writers=(("no.such.module",),)))
+    with pytest.raises(HalfsafeError, match=r"no known residual writers in model\.layers\.0 .*residual_writers of family llama"):
+        residual_writers(model)
