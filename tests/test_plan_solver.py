@@ -5,6 +5,7 @@ so every expected log2 is exact; and what a plan file holds, reads back, and ref
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import GAIN1P, MUL
 from halfsafe.groups import Group, TensorMove
-from halfsafe.plan import PLAN_FORMAT, Constraint, Plan, _describe_select, _overlap, constraints_from
+from halfsafe.plan import PLAN_FORMAT, Constraint, Plan, _describe_select, _overlap, constraints_from, predicted_log2, solve
 from halfsafe.stats import SiteStats
 
 
@@ -101,6 +102,69 @@ def test_describe_select_names_every_dim():
     assert _describe_select((1, slice(2, 6))) == "dim 1 [2:6]"
     assert _describe_select((0, torch.tensor([0, 3, 5]))) == "dim 0, 3 indices"
     assert _describe_select(((0, slice(1, 2)), (2, torch.tensor([4, 7])))) == "dim 0 [1:2], dim 2, 2 indices"
+
+
+def test_predicted_log2_counts_a_group_without_an_exponent_as_zero():
+    c = Constraint("x", 3.0, {"a": 1, "b": -1})
+    assert predicted_log2(c, {"a": -2}) == 1.0
+    assert predicted_log2(c, {"a": -2, "b": -1}) == 2.0
+
+
+def test_solve_skips_zero_powers_and_groups_it_does_not_plan():
+    groups = [Group("residual", "residual", None, ()), Group("qk@b0", "qk", "b0", ())]
+    cons = [Constraint("x", 17.0, {"residual": 1, "ghost": 1, "qk@b0": 0})]
+    # residual: 17 + e <= log2(65504) - 2 = 13.9993 -> e = -4; "ghost" is no group here (exponent 0)
+    assert solve(groups, cons, 2) == {"residual": -4, "qk@b0": 0}
+
+
+MAXB = math.log2(65504)  # float16's largest finite value, in bits
+A = [Group("a", "a", None, ())]
+
+
+def test_solve_accepts_a_peak_that_lands_exactly_on_the_limit():
+    # 2 * 65504 / 2 = 65504 fits with no headroom: -1, not -2 (floating error in log2 must not cost a bit)
+    assert solve(A, [Constraint("x", MAXB + 1, {"a": 1})], 0) == {"a": -1}
+    assert solve(A, [Constraint("x", MAXB + 2, {"a": 2})], 0) == {"a": -1}  # power 2: 4 * 65504 / 2**2
+    assert solve(A, [Constraint("x", MAXB + 2.5, {"a": 1})], 0.5) == {"a": -3}
+
+
+def test_solve_settles_halfway_where_upper_and_lower_bounds_cross():
+    # q (power 1) is 5 bits over the limit: a <= -5. k (power -1) is 3 bits under it: -a <= 3, a >= -3;
+    # then 2 bits under (a >= -2); then power -2, 4 bits under (a >= -2). Halfway: floor((-5 + -3) / 2) = -4, ...
+    assert solve(A, [Constraint("q", MAXB + 5, {"a": 1}), Constraint("k", MAXB - 3, {"a": -1})], 0) == {"a": -4}
+    assert solve(A, [Constraint("q", MAXB + 5, {"a": 1}), Constraint("k", MAXB - 2, {"a": -1})], 0) == {"a": -4}  # -3.5
+    assert solve(A, [Constraint("q", MAXB + 6, {"a": 1}), Constraint("k", MAXB - 4, {"a": -2})], 0) == {"a": -4}
+    # bounds that do not cross: the largest exponent under the upper one
+    assert solve(A, [Constraint("q", MAXB + 5, {"a": 1}), Constraint("k", MAXB - 8, {"a": -1})], 0) == {"a": -5}
+
+
+def test_solve_iterates_until_no_group_moves():
+    # a is settled first against b = 0 (a <= -2); b then has to move by -3 on its own, which frees a back to 0
+    groups = [Group("a", "a", None, ()), Group("b", "b", None, ())]
+    cons = [Constraint("ab", MAXB + 2, {"a": 1, "b": 1}), Constraint("b", MAXB + 3, {"b": 1})]
+    assert solve(groups, cons, 0) == {"a": 0, "b": -3}
+
+
+def test_build_lists_every_moved_tensor_part_with_its_total_exponent_and_the_eps_moves():
+    from halfsafe import __version__
+
+    part = (0, slice(0, 2))
+    groups = [
+        Group("g1", "g1", None, (TensorMove("w.q", 1, MUL, part), TensorMove("w.k", -1, MUL)), eps_power=2),
+        Group("g2", "g2", None, (TensorMove("w.z", 1, MUL),), eps_power=2),
+        Group("g3", "g3", None, (TensorMove("w.q", 1, MUL, part), TensorMove("n.w", 1, GAIN1P)), eps_power=1,
+              eps_scope=("vision_config.layer_norm_eps", ("v",))),
+    ]
+    shapes = {"w.q": (4, 2), "w.k": (3,), "w.z": (5,), "n.w": (2,)}
+    plan = Plan.build("fam", "mt", groups, {"g1": -2, "g2": 0, "g3": 1}, 1.5, 1024, shapes)
+    # w.q rows 0:2 move by g1 (-2) and g3 (+1): -1; w.k by -(-2); n.w by +1; w.z not at all
+    assert plan == Plan("fam", "mt", {"g1": -2, "g3": 1}, 1.5, [
+        {"param": "w.q", "kind": MUL, "exponent": -1, "part": "dim 0 [0:2]", "shape": [4, 2]},
+        {"param": "w.k", "kind": MUL, "exponent": 2, "part": None, "shape": [3]},
+        {"param": "n.w", "kind": GAIN1P, "exponent": 1, "part": None, "shape": [2]},
+    ], -4, {"vision_config.layer_norm_eps": 1}, 1024, PLAN_FORMAT, __version__)
+    bare = Plan.build("fam", "mt", groups, {"g1": -2, "g3": 1}, 1.5)
+    assert [t.get("shape") for t in bare.tensors] == [None, None, None] and bare.context_length is None
 
 
 def _plan(**kw) -> Plan:
