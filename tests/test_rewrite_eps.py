@@ -10,10 +10,12 @@ import copy
 
 import transformers
 
-from halfsafe.families import Family, family_for
-from halfsafe.groups import expand
+from transformers import PretrainedConfig
+
+from halfsafe.families import MUL, Family, family_for
+from halfsafe.groups import Group, TensorMove, expand
 from halfsafe.loading import model_class_for
-from halfsafe.rewrite import move_eps_, scale_eps_
+from halfsafe.rewrite import move_eps_, scale_eps_, scoped_eps_exponents, tensor_exponents
 from tiny import TINY
 
 EPS = 1e-6
@@ -77,6 +79,7 @@ def test_a_group_eps_moves_the_copies_of_its_config_that_hold_the_same_value():
     tower.config = copy.deepcopy(vision)  # a sub-model's own copy, same value: moves with it
     tower.encoder.config = copy.deepcopy(vision)
     tower.encoder.config.layer_norm_eps = 3e-6  # a copy with another value: not this eps, stays
+    tower.embeddings.config = PretrainedConfig()  # a config without that field: ignored
     moved = _moved(model, lambda: scale_eps_(model, family, -2, ("vision_config.layer_norm_eps", ("model.vision_tower",))))
     assert moved == {k: EPS / 4 for k in GEMMA3_TOWER if k.startswith("model.vision_tower.")}
     assert vision.layer_norm_eps == EPS / 4 and tower.config.layer_norm_eps == EPS / 4
@@ -163,3 +166,43 @@ def test_t5gemma2_moves_encoder_text_and_decoder_eps_and_neither_the_tower_nor_t
     assert model.config.encoder.text_config.rms_norm_eps == EPS * 4 and model.config.decoder.rms_norm_eps == EPS * 4
     assert model.config.encoder.vision_config.layer_norm_eps == EPS
     assert _eps(model)["model.encoder.multi_modal_projector.mm_soft_emb_norm.eps"] == EPS
+
+
+def test_deepseek_moves_every_norms_eps_but_the_mla_norms_it_hard_codes():
+    model = _build("deepseek_v3")
+    moved = _moved(model, lambda: scale_eps_(model, family_for("deepseek_v3"), 1))
+    assert moved == {f"model.layers.{i}.{n}.variance_epsilon": EPS * 2 for i in (0, 1)
+                     for n in ("input_layernorm", "post_attention_layernorm")} | {"model.norm.variance_epsilon": EPS * 2}
+    assert model.config.rms_norm_eps == EPS * 2
+
+
+def test_an_eps_field_a_config_lacks_is_skipped_and_the_next_one_moves():
+    model = _build("llama")
+    old = model.config.rms_norm_eps
+    family = Family("two", ("two",), (), eps_attrs=("layer_norm_eps", "rms_norm_eps"))
+    before = _eps(model)
+    scale_eps_(model, family, -1)
+    assert {k: v for k, v in _eps(model).items() if v != before[k]} == {k: old / 2 for k in before}
+    assert model.config.rms_norm_eps == old / 2 and not hasattr(model.config, "layer_norm_eps")
+    scoped = Family("two", ("two",), (), eps_attrs=("layer_norm_eps", "rms_norm_eps"), eps_scope=lambda m: {"": ("model",)})
+    scale_eps_(model, scoped, 1)
+    assert model.config.rms_norm_eps == old and _eps(model) == before
+
+
+def test_tensor_exponents_multiply_by_the_power_and_keep_parts_apart():
+    e0_rows01 = ((0, slice(0, 1)), (1, slice(0, 2)))  # expert 0, rows 0:2
+    e0_rows23 = ((0, slice(0, 1)), (1, slice(2, 4)))  # expert 0, rows 2:4: same expert, another part
+    groups = [Group("a", "a", None, (TensorMove("w", 2, MUL), TensorMove("x", 1, MUL, e0_rows01))),
+              Group("b", "b", None, (TensorMove("x", -1, MUL, e0_rows23), TensorMove("x", 1, MUL, e0_rows01)))]
+    got = tensor_exponents(groups, {"a": -3, "b": 1})
+    assert got == {"w": [(MUL, -6, None)], "x": [(MUL, -2, e0_rows01), (MUL, -1, e0_rows23)]}
+    assert all(type(e) is int for entries in got.values() for _, e, _ in entries)
+
+
+def test_scoped_eps_exponents_add_up_the_groups_sharing_a_scope():
+    scope = ("vision_config.layer_norm_eps", ("v",))
+    other = ("audio_config.eps", ("a",))
+    groups = [Group("a", "a", None, (), eps_power=2, eps_scope=scope), Group("b", "b", None, (), eps_power=1, eps_scope=scope),
+              Group("c", "c", None, (), eps_power=1, eps_scope=other), Group("d", "d", None, (), eps_power=2)]
+    assert scoped_eps_exponents(groups, {"a": -1, "b": 3, "c": 2, "d": 5}) == {scope: 1, other: 2}
+    assert scoped_eps_exponents(groups, {"a": -1, "b": 2}) == {}  # -2 + 2: no move

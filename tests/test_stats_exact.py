@@ -56,9 +56,9 @@ def test_counts_at_float16s_exact_limits():
 def test_updates_and_chunks_accumulate(monkeypatch):
     monkeypatch.setattr(stats, "_CHUNK", 3)  # 7 values: chunks of 3, 3, 1
     x = [0.0, 2.0, 0.0, 1e5, 3e-6, 0.0, -4.0]
-    s = _update(x, [0.0, 5e-6])
-    assert s.numel == 9 and s.nonzero == 5 and s.abs_max == 1e5
-    assert s.above_fp16_max == 1 and s.below_fp16_min_normal == 2
+    s = _update(x, [0.0, 5e-6, -7e4])
+    assert s.numel == 10 and s.nonzero == 6 and s.abs_max == 1e5
+    assert s.above_fp16_max == 2 and s.below_fp16_min_normal == 2  # 1e5 in one chunk, -7e4 in another
     # the percentile is the largest of the chunks' own: chunk [1e5, 3e-6, 0] gives 1e5
     assert s.percentile == pytest.approx(1e5)
     one = _update(x)
@@ -130,6 +130,15 @@ def test_collector_records_leaf_inputs_and_every_output_in_order_then_lets_go():
     assert c.first_nonfinite is None
     net(2 * x)  # the hooks are gone
     assert c.sites["head:out"].abs_max == 12.0 and c.sites["head:out"].numel == 1 and not c._handles
+
+
+def test_a_site_seen_twice_accumulates():
+    net = _Net()
+    with ActivationCollector(net) as c:
+        net(torch.tensor([[1.0, 2.0]]))
+        net(torch.tensor([[0.5, 0.0]]))  # block.0: [0.5, 1.5]; head: 1 - 3 = -2
+    assert (c.sites["head:out"].abs_max, c.sites["head:out"].numel) == (12.0, 2)
+    assert (c.sites["block.0:in"].abs_max, c.sites["block.0:in"].numel, c.sites["block.0:in"].nonzero) == (2.0, 4, 3)
 
 
 class _Blow(nn.Module):
