@@ -116,7 +116,7 @@ def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str
     from .engine.streamed import build
 
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             streamed = build(config, cls, shards, device)
     except HalfsafeError as e:
         logging.getLogger(__name__).warning("%s; loading the whole model instead", e)

@@ -13,7 +13,7 @@ import torch
 from .families import GAIN1P
 from .formats import FP16_MAX
 from .groups import Group, select_parts
-from .rewrite import _index, _select_key, eps_exponent, scoped_eps_exponents, tensor_exponents
+from .rewrite import _index, select_key, eps_exponent, scoped_eps_exponents, tensor_exponents
 from .stats import SiteStats
 
 FP16_MAX_BITS = math.log2(FP16_MAX)
@@ -56,9 +56,9 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         whole = [(g, m) for g, m in entries if m.select is None]
         if whole:
             out += _weight_constraint(f"weight:{name}", t, whole)
-        parts = list(dict.fromkeys(_select_key(m.select) for _, m in entries if m.select is not None))
+        parts = list(dict.fromkeys(select_key(m.select) for _, m in entries if m.select is not None))
         for key in parts:
-            select = next(m.select for _, m in entries if _select_key(m.select) == key)
+            select = next(m.select for _, m in entries if select_key(m.select) == key)
             here = [(g, m) for g, m in entries if m.select is None or _overlap(m.select, select)]
             out += _weight_constraint(f"weight:{name}[{_describe_select(select)}]", t[_index(t, select)], here)
     return out

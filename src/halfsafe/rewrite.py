@@ -28,7 +28,7 @@ def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str
         if not e:
             continue
         for m in g.moves:
-            key = (m.kind, _select_key(m.select))
+            key = (m.kind, select_key(m.select))
             kind, total, select = merged[m.param].get(key, (m.kind, 0, m.select))
             merged[m.param][key] = (kind, total + e * m.power, select)
     return {p: [v for v in entries.values() if v[1]] for p, entries in merged.items() if any(v[1] for v in entries.values())}
@@ -43,7 +43,6 @@ def select_key(select) -> object:
     return parts[0] if len(parts) == 1 else parts
 
 
-_select_key = select_key  # the former private name, still imported elsewhere
 
 
 def _index(t: torch.Tensor, select) -> tuple:
@@ -92,7 +91,7 @@ def _merge_tables(a: dict, b: dict) -> dict:
     for table in (a, b):
         for name, entries in table.items():
             for kind, e, select in entries:
-                key = (kind, _select_key(select))
+                key = (kind, select_key(select))
                 k, total, sel = out[name].get(key, (kind, 0, select))
                 out[name][key] = (k, total + e, sel)
     return {n: [v for v in d.values() if v[1]] for n, d in out.items() if any(v[1] for v in d.values())}

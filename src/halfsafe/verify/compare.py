@@ -22,7 +22,8 @@ from ..layers import find_blocks
 from ..precision import cast_copy
 from .converted import check_converted, load_converted
 from .report import VariantResult, VerifyReport, environment
-from .runner import Runner, exact_fp16_reductions, prepare_inputs
+from ..engine.device import exact_fp16_reductions
+from .runner import Runner, prepare_inputs
 from .variants import ALL_VARIANTS, REFERENCE, VARIANTS, Variant
 
 
@@ -75,7 +76,7 @@ def verify(
     inputs = prepare_inputs(texts, text_names, tokenizer, vocab, seq_len, max_samples, prompt_tokens)
     blocks = find_blocks(original)
     results: list[VariantResult] = []
-    with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions(dev):
+    with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions():
         runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):

@@ -156,19 +156,3 @@ class Runner:
             forward_tokens=tokens,
         )
 
-
-class exact_fp16_reductions:
-    """On CUDA, fp16 GEMMs may otherwise accumulate partial sums in fp16 (PyTorch's default): verify measures
-    the format, not that shortcut, so it is switched off for the duration."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.saved = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = self.saved
