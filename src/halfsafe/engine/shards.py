@@ -23,7 +23,7 @@ _PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
 class Shards:
     """`key -> tensor` over a folder's safetensors files: `shape`/`dtype` from the headers, `load` reads one
-    tensor (the file is memory-mapped only while `open()` is active, so nothing stays resident)."""
+    tensor (a file stays open only inside `with shards:`, so nothing stays mapped between units)."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -58,17 +58,8 @@ class Shards:
     def dtype(self, key: str) -> torch.dtype:
         return self._meta[key][1]
 
-    def nbytes(self, key: str) -> int:
-        n = 1
-        for d in self.shape(key):
-            n *= d
-        return n * self.dtype(key).itemsize
-
-    def open(self) -> "Shards":
-        """`with shards.open(): ...` keeps the files mapped for a batch of loads (one unit's tensors)."""
-        return self
-
     def __enter__(self):
+        """`with shards: ...` keeps the files open for a batch of loads (one unit's tensors)."""
         self._stack = ExitStack()
         return self
 

@@ -192,64 +192,53 @@ def compute_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def streamable_reason(model: PreTrainedModel, shards: Shards) -> str | None:
-    """Why this checkpoint cannot be read tensor by tensor into `model`'s parameters (None: it can). Checkpoints
-    whose tensors transformers renames, merges or splits on load (older layouts, per-expert MoE weights) are
-    loaded whole instead, by transformers itself."""
-    missing = [n for n in canonical_params(model) if _key_for(model, n, shards) is None]
-    if missing:
-        return f"{len(missing)} parameter(s) not stored under their own name (e.g. {missing[0]})"
-    return None
+def checkpoint_keys(model: PreTrainedModel, shards: Shards) -> dict[str, str | None]:
+    """parameter name -> the checkpoint key holding it, or None where transformers renames, merges or splits the
+    stored tensors on load in a way one key cannot hold (per-expert MoE weights): such checkpoints are loaded whole,
+    by transformers itself."""
+    bare = bool(getattr(model, "base_model_prefix", "")) and getattr(model, "base_model", None) is model
+    keys = {}
+    for name, p in model.named_parameters():
+        candidates = [name, saved_name(model, name, p.shape)]
+        if bare:
+            candidates.append(f"{model.base_model_prefix}.{name}")  # a bare base model read from a checkpoint saved with its head
+        keys[name] = next((k for k in candidates if k is not None and k in shards and tuple(shards.shape(k)) == tuple(p.shape)), None)
+    return keys
 
 
-def canonical_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    return dict(model.named_parameters())
-
-
-def saved_name(model: PreTrainedModel, name: str) -> str | None:
-    """The name transformers' save_pretrained gives parameter or buffer `name` (older layouts keep older names:
-    GPT-NeoX's `embed_out`, Gemma 3's `language_model.model.*`); None when saving splits or merges it (per-expert
-    MoE weights)."""
+def saved_name(model: PreTrainedModel, name: str, shape) -> str | None:
+    """The name transformers' save_pretrained gives parameter or buffer `name` of `shape` (older layouts keep older
+    names: GPT-NeoX's `embed_out`, Gemma 3's `language_model.model.*`); None when saving splits or merges it
+    (per-expert MoE weights)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    t = model.get_parameter(name) if name in dict(model.named_parameters()) else model.get_buffer(name)
-    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    out = revert_weight_conversion(model, {name: meta})
+    out = revert_weight_conversion(model, {name: torch.empty(tuple(shape), device="meta")})
     if len(out) != 1:
         return None
     (key, value), = out.items()
-    return key if tuple(value.shape) == tuple(t.shape) else None
-
-
-def _key_for(model: PreTrainedModel, name: str, shards: Shards) -> str | None:
-    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
-    candidates = [name, saved_name(model, name)]
-    if prefix and getattr(model, "base_model", None) is model:
-        candidates.append(prefix + name)  # a bare base model read from a checkpoint saved with its head
-    for key in candidates:
-        if key is not None and key in shards and tuple(shards.shape(key)) == tuple(model.get_parameter(name).shape):
-            return key
-    return None
+    return key if tuple(value.shape) == tuple(shape) else None
 
 
 def build(config: PretrainedConfig, cls, shards: Shards, device: str | torch.device = "cpu", cache_bytes: int = 0) -> Streamed:
     """The meta skeleton of `cls(config)` with its units hooked to load from `shards`. Raises HalfsafeError with
-    the reason when the checkpoint's layout needs transformers' own loader (see `streamable_reason`)."""
+    the reason when the checkpoint's layout needs transformers' own loader (see `checkpoint_keys`)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
         model = cls._from_config(config, dtype=torch.float32)
     model.tie_weights()
     model.eval()
-    reason = streamable_reason(model, shards)
-    if reason:
-        raise HalfsafeError(f"cannot stream this checkpoint: {reason}")
-    params = canonical_params(model)
+    keys = checkpoint_keys(model, shards)
+    missing = [n for n, k in keys.items() if k is None]
+    if missing:
+        raise HalfsafeError(f"cannot stream this checkpoint: {len(missing)} parameter(s) not stored under their own name "
+                            f"(e.g. {missing[0]})")
+    params = dict(model.named_parameters())
     by_id = {id(p): n for n, p in params.items()}
     _load_persistent_buffers(model, shards)
     _buffers_to(model, torch.device(device))
     units = _units(model, by_id)
-    s = Streamed(model, shards, {n: _key_for(model, n, shards) for n in params}, units, torch.device(device),
+    s = Streamed(model, shards, keys, units, torch.device(device),
                  cache_bytes=cache_bytes)
     s._placeholders = dict(params)
     blocks = set(find_blocks(model))

@@ -38,11 +38,11 @@ def output_tensors(streamed: Streamed, dtype: torch.dtype = torch.float16) -> di
     return out
 
 
-def saved_names(streamed: Streamed, names) -> dict[str, str]:
+def saved_names(streamed: Streamed, layout: dict[str, torch.Tensor]) -> dict[str, str]:
     """model name -> the name save_pretrained stores it under."""
     out = {}
-    for n in names:
-        key = saved_name(streamed.model, n)
+    for n, t in layout.items():
+        key = saved_name(streamed.model, n, t.shape)
         if key is None:
             raise HalfsafeError(f"internal error: {n} has no one-to-one saved name; this checkpoint should not stream")
         out[n] = key
