@@ -75,6 +75,8 @@ def markdown(summary: dict, commit: str, runs: list[str]) -> str:
           f"{summary['checked']} checked mutants killed ({100 * summary['score']:.1f}%)**; a timeout counts as killed, "
           "\"no tests\" as survived.", "", "Runs combined (the last run that checked a mutant decides its verdict):", "",
           *[f"{i}. {run}" for i, run in enumerate(runs, 1)], "",
+          "A run over part of the configured test selection (pyproject.toml [tool.mutmut]) is enough for a kill: what "
+          "a part of the selection kills, the whole selection kills too.", "",
           "| module | killed | survived | no tests | timeout | not checked | score |", "|---|---:|---:|---:|---:|---:|---:|"]
     for module, c in summary["per_module"].items():
         checked = sum(v for k, v in c.items() if k != "not checked")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "mutation.json").write_text(json.dumps({"commit": commit, "runs": labels, **summary}, indent=2) + "\n")
     md = markdown(summary, commit, labels)
     (RESULTS / "mutation.md").write_text(md)
-    print("\n".join(md.splitlines()[: 6 + len(folders) + len(summary["per_module"])]))
+    print("\n".join(md.splitlines()[: 8 + len(folders) + len(summary["per_module"])]))
     return 0
 
 
