@@ -15,7 +15,7 @@ from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.forward import logits
-from halfsafe.groups import expand
+from halfsafe.groups import expand, select_parts
 from halfsafe.loading import load_model, model_class_for
 from halfsafe.probe import probe
 from halfsafe.stats import ActivationCollector
@@ -35,12 +35,13 @@ FALLBACK: set[str] = set()  # tiny keys whose config cannot be shrunk (none toda
 
 
 def _weight_dependent(model, groups, ids) -> tuple[set[str], set[str]]:
-    """(sites the model measures, modules whose sites' powers depend on the weights). A site's power is that of its
-    peak, which for these is the larger of activations that move differently, so which one wins depends on the
-    weights, in the real model as in any copy: modules run more than once per forward (T5's stack dropout, after the
-    embedding and after the final norm) and modules whose weight a group moves only in part (a fused projection:
-    its power is a whole one only when its peak sits in the moved part). A fused expert that no token reaches has
-    no site in the model; the planner reads only measured sites."""
+    """(sites the model measures, sites whose power depends on the weights). A site's power is that of its peak,
+    which for these is the larger of activations that move differently, so which one wins depends on the weights, in
+    the real model as in any copy: every site of a module run more than once per forward (T5's stack dropout, after
+    the embedding and after the final norm) and the output of a module whose weight a group moves only in part (a
+    fused projection: its power is a whole one only when its peak sits in the moved part; one expert's slice of a
+    fused expert tensor is not such a part: its activations are measured per expert). A fused expert that no token
+    reaches has no site in the model; the planner reads only measured sites."""
     calls: dict[str, int] = {}
     handles = [m.register_forward_hook(lambda mod, a, o, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
                for n, m in model.named_modules() if n]
@@ -50,15 +51,16 @@ def _weight_dependent(model, groups, ids) -> tuple[set[str], set[str]]:
     finally:
         for h in handles:
             h.remove()
-    partial = {m.param.rsplit(".", 1)[0] for g in groups for m in g.moves if m.select is not None}
-    return set(c.sites), {n for n, k in calls.items() if k > 1} | partial
+    partial = {m.param.rsplit(".", 1)[0] for g in groups for m in g.moves
+               if select_parts(m.select)[1 if g.expert is not None else 0:]}
+    twice = {n for n, k in calls.items() if k > 1}
+    return set(c.sites), {s for s in c.sites if s.rsplit(":", 1)[0] in twice} | {f"{n}:out" for n in partial}
 
 
 def _settled(governed: dict, measured: set[str], skip: set[str]) -> dict:
     """governed without what depends on the weights (see _weight_dependent) and without power 0.0 (a tensor moved
     only in part: no constraint for the planner)."""
-    return {g: {s: p for s, p in sites.items() if p and s in measured and s.rsplit(":", 1)[0] not in skip}
-            for g, sites in governed.items()}
+    return {g: {s: p for s, p in sites.items() if p and s in measured and s not in skip} for g, sites in governed.items()}
 
 
 def _check_mapping(model, ids):
