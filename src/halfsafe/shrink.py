@@ -72,7 +72,7 @@ FROM_END_FIELDS = ("num_kv_shared_layers",)  # counted from the last block: scal
 MAX_BLOCKS = 48  # the most blocks per list a shrunk model may need to hold every block kind
 
 
-def _shrink(field: str, value, target: int) -> int:
+def _shrink(value, target: int) -> int:
     return min(value, target) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
@@ -84,7 +84,7 @@ def _shrink_dict(d: dict, layers: int, path: str) -> dict:
     heads_before = {f: d[f] for f in HEAD_FIELDS if isinstance(d.get(f), int)}
     for f, target in WIDTHS.items():
         if f in d:
-            d[f] = _shrink(f, d[f], target)
+            d[f] = _shrink(d[f], target)
     for f in KV_HEAD_FIELDS:
         kv = d.get(f)
         if not isinstance(kv, int) or not heads_before:
