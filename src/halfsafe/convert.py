@@ -22,7 +22,7 @@ from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
 from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
 from .precision import in_dtype
-from .probe import probe
+from .shrink import probe_governed
 from .rewrite import apply_exponents_, trial
 from .scan import ScanReport, scan
 
@@ -189,7 +189,7 @@ def plan_fp16_safe(
     report = scan_report or scan(model, samples, progress=progress)
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
     headroom_bits = margin.bits
-    governed = probe(model, family, groups, prefix(samples[0], PROBE_TOKENS))
+    governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
     constraints = constraints_from(report.sites, governed, groups, weights(model))
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
