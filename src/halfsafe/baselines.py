@@ -83,7 +83,7 @@ def clamp_residual_adds(model: nn.Module, limit: float = ONNX_CLAMP) -> ClampHan
 
     try:
         for name in residual_writers(model):
-            handle.add_hook(modules[name].register_forward_hook(mark))
+            handle.add_post(modules[name], mark)
     except BaseException:
         handle.remove()
         raise

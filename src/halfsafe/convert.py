@@ -25,6 +25,7 @@ from .precision import in_dtype
 from .shrink import probe_governed
 from .rewrite import apply_exponents_, trial
 from .scan import ScanReport, scan
+from .sites import Site
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 32
@@ -257,7 +258,7 @@ def _layers_after(report: ScanReport, constraints: list[Constraint], exps: dict[
     by_site = {c.site: c for c in constraints}
     out = []
     for layer in report.layers:
-        c = by_site.get(f"{layer.name}:out")
+        c = by_site.get(str(Site(layer.name, "out")))
         out.append((layer.name, 2.0 ** predicted_log2(c, exps) if c else layer.residual_peak))
     return out
 

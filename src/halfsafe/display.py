@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 
 from rich.console import Console
 from rich.table import Table
 
 from .formats import FormatInfo
 from .scan import ScanReport
+from .sites import headroom_bits
 from .convert import ConversionReport
 from .stats import PERCENTILE
 
@@ -77,7 +77,7 @@ def conversion_tables(report: ConversionReport, console: Console) -> None:
     for col in ("layer", "before", "after", "headroom after (bits)"):
         layers.add_column(col, justify="right" if col != "layer" else "left")
     for before, (name, after) in zip(report.scan_before.layers, report.layers_after):
-        layers.add_row(name, fmt(before.residual_peak), fmt(after), headroom_cell(math.log2(65504 / after) if after > 0 else math.inf))
+        layers.add_row(name, fmt(before.residual_peak), fmt(after), headroom_cell(headroom_bits(after)))
     console.print(layers)
     worst = max(report.storage, key=lambda s: s["after"]["fp16_rel_error"], default=None)
     eps = f"norm eps x 2^{plan.eps_exponent}" + "".join(f"; {k} x 2^{v}" for k, v in plan.eps_fields.items())

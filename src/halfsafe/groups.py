@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from .errors import UnsupportedModelError
 from .families import Family, GroupSpec, Move
-from .families.spec import BLOCK, LAST_BLOCK, NEXT_BLOCK, placeholder
+from .families.spec import BLOCK, LAST_BLOCK, NEXT_BLOCK, EpsScope, placeholder
 
 
 @dataclass(frozen=True)
@@ -259,3 +259,42 @@ def _check_kinds(family: Family, groups: list[Group]) -> None:
         for m in g.moves:
             if kinds.setdefault(m.param, m.kind) != m.kind:
                 raise ValueError(f"family {family.name}: {m.param} is moved both as {kinds[m.param]} and {m.kind}")
+
+
+def eps_scopes(family: Family, model: PreTrainedModel, scope: tuple[str, tuple[str, ...]] | None = None) -> tuple[EpsScope, ...]:
+    """What a group's eps_power moves, as `EpsScope` records with module names as `model` names them: the family's
+    eps (`scope` None: everywhere, but under `eps_skip_modules`; or in the sub-configs and modules `eps_scope`
+    names) or one group's own (`Group.eps_scope`: a config field path and module prefixes, from GroupSpec.eps_field)."""
+    if scope is not None:
+        field, prefixes = scope
+        path, _, attr = field.rpartition(".")
+        if getattr(config_at(model.config, path), attr, None) is None:
+            raise UnsupportedModelError(f"family {family.name}: this {type(model).__name__}'s config has no {field} for a "
+                                        f"group to move (families/{family.name}.py)")
+        return (EpsScope((path,), (attr,), tuple(prefixes)),)
+    fixed = family.fixed_eps_modules
+    if family.eps_scope is not None:
+        return tuple(EpsScope((sub,), family.eps_attrs, tuple(_strip_base_prefix(model, p + ".")[:-1] for p in prefixes), fixed=fixed)
+                     for sub, prefixes in family.eps_scope(model).items())
+    text = _config_path(model.config, model.config.get_text_config())
+    return (EpsScope(tuple(dict.fromkeys(("", text))), family.eps_attrs,
+                     keep=tuple(_strip_base_prefix(model, p) for p in family.eps_skip_modules), fixed=fixed, copies_only=False),)
+
+
+def config_at(config, path: str):
+    """The sub-config at a dotted path ("" is `config` itself)."""
+    for part in path.split(".") if path else ():
+        config = getattr(config, part)
+    return config
+
+
+def _config_path(config, target) -> str:
+    """The dotted path from `config` to its sub-config `target` ("" for `config` itself)."""
+    todo, seen = [("", config)], set()
+    while todo:
+        path, c = todo.pop(0)
+        if c is target:
+            return path
+        seen.add(id(c))
+        todo += [(f"{path}.{k}" if path else k, v) for k, v in vars(c).items() if isinstance(v, PretrainedConfig) and id(v) not in seen]
+    raise UnsupportedModelError(f"{type(config).__name__}: its text config is not one of its sub-configs")

@@ -20,6 +20,7 @@ from .families import Family
 from .forward import logits as forward_logits
 from .groups import Group
 from .rewrite import trial
+from .sites import Site, block_of
 from .stats import ActivationCollector
 
 EXACT_RTOL = 1e-4  # float32 output change allowed for a probe (exact algebra; only eps rounding differs)
@@ -94,9 +95,10 @@ def _passes(members: list[Group]) -> list[list[Group]]:
 def _owner(site: str, members: list[Group]) -> str | None:
     if len(members) == 1 and members[0].block is None:
         return members[0].name
-    module, kind = site.rsplit(":", 1)
-    found = [g for g in members if any(module == b or module.startswith(b + ".") for b in g.blocks)]
+    where = Site.parse(site)
+    block = block_of(where, [b for g in members for b in g.blocks])
+    found = [g for g in members if block is not None and block in g.blocks]
     if any(g.expert is not None for g in found):  # one block's experts: the site names its expert, or no one owns it
-        found = [g for g in found if kind.split(".")[0] == f"expert{g.expert}"]
+        found = [g for g in found if g.expert is not None and where.expert == g.expert]
         return found[0].name if len(found) == 1 else None
     return found[0].name if found else None

@@ -17,7 +17,9 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .families import GAIN1P, MUL, Family
-from .groups import Group, select_parts
+from .families.spec import EpsScope
+from .groups import Group, config_at, eps_scopes, select_parts
+from .sites import within
 
 
 def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str, list[tuple[str, int, object]]]:
@@ -156,81 +158,39 @@ def trial(model: PreTrainedModel, family: Family, groups: list[Group], exponents
 
 
 def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tuple[str, tuple[str, ...]] | None = None) -> None:
-    """Move the shared norm eps in the config and in every norm module that copied it; with `scope`
-    (config field path, module prefixes), that one field and the norms under those modules only."""
+    """Move a norm eps by 2**exponent: the family's (`scope` None) or one group's own (`scope`: its Group.eps_scope,
+    a config field path and module prefixes). Each is described by `EpsScope` records (groups.eps_scopes)."""
     if not exponent:
         return
-    factor = 2.0 ** exponent
-    if scope is not None:  # one group's own eps (GroupSpec.eps_field)
-        _scale_group_eps(model, family, factor, *scope)
-        return
-    if family.eps_scope is not None:  # the family's eps, in the sub-configs and modules it names
-        _scale_scoped_eps(model, family, factor)
-        return
-    modules = _eps_modules(model, family)
-    fixed = {id(m) for n, m in model.named_modules() if family.fixed_eps_modules and n.endswith(family.fixed_eps_modules)}
-    # The top config, its text config, and the copies some submodules keep (T5's encoder/decoder stacks).
-    configs = [model.config, model.config.get_text_config()] + [m.config for m in modules if isinstance(getattr(m, "config", None), PretrainedConfig)]
-    for config in {id(c): c for c in configs}.values():
-        for attr in family.eps_attrs:
-            old = getattr(config, attr, None)
-            if old is None:
-                continue
-            setattr(config, attr, old * factor)
-            _move_copies((m for m in modules if id(m) not in fixed), family, old, factor)
+    for s in eps_scopes(family, model, scope):
+        _scale_eps_scope(model, family, s, 2.0 ** exponent)
 
 
 def _under(name: str, prefixes) -> bool:
     """`name` is one of the module names in `prefixes`, or inside one of them."""
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+    return any(within(name, p) for p in prefixes)
 
 
-def _move_copies(modules, family: Family, old: float, factor: float) -> None:
-    """Every norm module among `modules` that copied the eps `old` at construction gets `old * factor`."""
-    for module in modules:
+def _scale_eps_scope(model: PreTrainedModel, family: Family, scope: EpsScope, factor: float) -> None:
+    """The eps fields of the scope's configs, the same fields in the configs its sub-models keep (only copies of
+    the same value, with `copies_only`), and every covered norm that copied one of them at construction."""
+    covered = [(n, m) for n, m in model.named_modules()
+               if (not scope.modules or _under(n, scope.modules)) and not _under(n, scope.keep)]
+    roots = list({id(c): c for c in (config_at(model.config, p) for p in scope.configs)}.values())
+    kept = [m.config for _, m in covered if isinstance(getattr(m, "config", None), PretrainedConfig)]
+    olds: set[float] = set()
+    for attr in scope.attrs:
+        values = {getattr(c, attr) for c in roots if getattr(c, attr, None) is not None}
+        configs = roots + [c for c in kept if not scope.copies_only or getattr(c, attr, None) in values]
+        for c in {id(c): c for c in configs}.values():
+            old = getattr(c, attr, None)
+            if old is not None:
+                setattr(c, attr, old * factor)
+                olds.add(old)
+    for name, module in covered:
+        if scope.fixed and name.endswith(scope.fixed):
+            continue
         for mattr in family.eps_module_attrs:
-            if isinstance(getattr(module, mattr, None), float) and getattr(module, mattr) == old:
-                setattr(module, mattr, old * factor)
-
-
-def _scale_scoped_eps(model: PreTrainedModel, family: Family, factor: float) -> None:
-    """Only the sub-configs `family.eps_scope` names, and only the norms under the modules it names for
-    each (a tower's own eps, which may hold the same value, stays)."""
-    from .groups import _strip_base_prefix
-
-    modules = dict(model.named_modules())
-    for sub, prefixes in family.eps_scope(model).items():
-        config = getattr(model.config, sub) if sub else model.config
-        for attr in family.eps_attrs:
-            old = getattr(config, attr, None)
-            if old is None:
-                continue
-            setattr(config, attr, old * factor)
-            for prefix in (_strip_base_prefix(model, p + ".")[:-1] for p in prefixes):
-                _move_copies((m for name, m in modules.items() if _under(name, (prefix,))), family, old, factor)
-
-
-def _eps_modules(model: PreTrainedModel, family: Family) -> list:
-    """Every module whose eps the family's eps moves: all but those under `family.eps_skip_modules`."""
-    if not family.eps_skip_modules:
-        return list(model.modules())
-    bare = getattr(model, "base_model", None) is model  # a bare base model names modules without its prefix
-    prefix = f"{model.base_model_prefix}."
-    skip = [p[len(prefix):] if bare and p.startswith(prefix) else p for p in family.eps_skip_modules]
-    return [m for n, m in model.named_modules() if not _under(n, skip)]
-
-
-def _scale_group_eps(model: PreTrainedModel, family: Family, factor: float, field: str, prefixes: tuple[str, ...]) -> None:
-    """One config field (e.g. "vision_config.layer_norm_eps") and the norms under `prefixes` that copied it."""
-    *path, attr = field.split(".")
-    config = model.config
-    for part in path:
-        config = getattr(config, part)
-    old = getattr(config, attr)
-    within = [m for name, m in model.named_modules() if _under(name, prefixes)]
-    # The sub-models under those prefixes may hold their own copy of that config (normally the same object).
-    configs = [config] + [m.config for m in within if isinstance(getattr(m, "config", None), PretrainedConfig)
-                          and getattr(m.config, attr, None) == old]
-    for c in {id(c): c for c in configs}.values():
-        setattr(c, attr, old * factor)
-    _move_copies(within, family, old, factor)
+            value = getattr(module, mattr, None)
+            if isinstance(value, float) and value in olds:
+                setattr(module, mattr, value * factor)

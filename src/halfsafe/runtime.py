@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .sites import Hooks
+
 _ATTR = "_keep_in_fp32_modules"
 
 
@@ -64,7 +66,6 @@ def load_pure_fp16(model_class: type, path, **kwargs) -> PreTrainedModel:
 # ---------------------------------------------------------------------------------------------------------------
 
 import types  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
@@ -96,27 +97,8 @@ def residual_writers(model: nn.Module) -> list[str]:
     return out
 
 
-class RuntimeHandle:
+class RuntimeHandle(Hooks):
     """Undo for a run-time patch: `remove()` (or leave the `with` block) takes every hook and patch off."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    def add(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
-
-    def add_hook(self, handle) -> None:
-        self._undo.append(handle.remove)
-
-    def remove(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
 
 
 def _is_matmul_module(m: nn.Module) -> bool:
@@ -195,17 +177,17 @@ def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
     handle = RuntimeHandle()
     try:
         for block in find_blocks(model):
-            handle.add_hook(modules[block].register_forward_pre_hook(_block_input_to_fp32, with_kwargs=True))
+            handle.add_pre(modules[block], _block_input_to_fp32, with_kwargs=True)
         for name, m in model.named_modules():
             if _is_matmul_module(m):
-                handle.add_hook(m.register_forward_pre_hook(lambda mod, args: (_cast_floats(args[0], _param_dtype(mod)), *args[1:])))
+                handle.add_pre(m, lambda mod, args: (_cast_floats(args[0], _param_dtype(mod)), *args[1:]))
             elif isinstance(m, nn.LayerNorm):
                 m.forward = types.MethodType(_layer_norm_fp32, m)
-                handle.add(lambda m=m: m.__dict__.pop("forward", None))
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
         for name in writer_norms:
-            handle.add_hook(modules[name].register_forward_pre_hook(lambda mod, args: (_cast_floats(args[0], torch.float32), *args[1:])))
+            handle.add_pre(modules[name], lambda mod, args: (_cast_floats(args[0], torch.float32), *args[1:]))
         for tower in _towers(model):
-            handle.add_hook(tower.register_forward_hook(_outputs_to_weight_dtype))
+            handle.add_post(tower, _outputs_to_weight_dtype)
     except BaseException:
         handle.remove()
         raise

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +12,7 @@ from .formats import FP16_MAX
 from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
 from .precision import in_dtype
+from .sites import Site, block_of, headroom_bits
 from .stats import ActivationCollector, SiteStats
 
 FP16_CHECK_TOKENS = 128  # fp16 matmuls are slow on CPUs; the first overflow shows within a short prefix
@@ -27,7 +27,7 @@ class LayerPeak:
 
     @property
     def headroom_bits(self) -> float:
-        return math.log2(FP16_MAX / self.residual_peak) if self.residual_peak > 0 else math.inf
+        return headroom_bits(self.residual_peak)
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ScanReport:
 
     def modules(self) -> list[SiteStats]:
         """Module outputs, in execution order."""
-        return [s for s in self.sites.values() if s.name.endswith(":out")]
+        return [s for s in self.sites.values() if s.site.kind == "out"]
 
     def worst(self, n: int = 10) -> list[SiteStats]:
         return sorted(self.sites.values(), key=lambda s: s.headroom_bits)[:n]
@@ -72,7 +72,7 @@ class ScanReport:
                 for l in self.layers
             ],
             "modules": [s.to_dict() for s in self.modules()],
-            "inputs": [s.to_dict() for s in self.sites.values() if s.name.endswith(":in")],
+            "inputs": [s.to_dict() for s in self.sites.values() if s.site.kind == "in"],
             "notes": self.notes,
         }
 
@@ -89,13 +89,19 @@ def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool 
 
 
 def layer_peaks(model: PreTrainedModel, sites: dict[str, SiteStats]) -> list[LayerPeak]:
+    blocks = find_blocks(model)
+    inner: dict[str, list[SiteStats]] = {b: [] for b in blocks}
+    for s in sites.values():
+        module = s.site.module
+        block = block_of(module, blocks)
+        if block is not None and module != block:  # inside the block, not the block's own input or output
+            inner[block].append(s)
     peaks = []
-    for block in find_blocks(model):
-        out = sites.get(f"{block}:out")
-        inner = [s for s in sites.values() if s.name.startswith(block + ".")]
+    for block in blocks:
+        out = sites.get(str(Site(block, "out")))
         if out is None:
             continue
-        top = max(inner, key=lambda s: s.abs_max, default=out)
+        top = max(inner[block], key=lambda s: s.abs_max, default=out)
         peaks.append(LayerPeak(block, out.abs_max, max(top.abs_max, out.abs_max), top.name))
     return peaks
 

@@ -1,7 +1,7 @@
 """Activation statistics through forward hooks that the collector owns and removes.
 
-A *site* is one tensor the model computes: a module's output ("name:out") or, for leaf modules, the
-first input ("name:in", e.g. the gated product a down projection reads, or the residual a norm reads).
+A *site* (`sites.Site`) is one tensor the model computes: a module's output ("name:out") or, for leaf modules,
+the first input ("name:in", e.g. the gated product a down projection reads, or the residual a norm reads).
 Fused mixture-of-experts modules (transformers' `use_experts_implementation`: `gate_up_proj` [E, ...]
 and `_apply_gate`) run every expert inside one forward, so each expert's gated product, what its down
 projection reads, is recomputed from the module's input and recorded as "name:expert<e>".
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .sites import Hooks, Site, headroom_bits
 
 PERCENTILE = 99.9
 _PERCENTILE_SAMPLE = 1 << 16  # elements per chunk used to estimate the percentile
@@ -37,14 +38,16 @@ class SiteStats:
 
     @property
     def module(self) -> str:
-        return self.name.rsplit(":", 1)[0]
+        return self.site.module
+
+    @property
+    def site(self) -> Site:
+        return Site.parse(self.name)
 
     @property
     def headroom_bits(self) -> float:
         """log2(65504 / abs max): how many doublings fit before float16 overflows (negative: overflow)."""
-        if not math.isfinite(self.abs_max):
-            return -math.inf
-        return math.log2(FP16_MAX / self.abs_max) if self.abs_max > 0 else math.inf
+        return headroom_bits(self.abs_max)
 
     @property
     def underflow_fraction(self) -> float:
@@ -117,31 +120,33 @@ class ActivationCollector:
     stop_at_nonfinite: bool = False
     sites: dict[str, SiteStats] = field(default_factory=dict)
     first_nonfinite: str | None = None
-    _handles: list = field(default_factory=list)
+    _handles: Hooks = field(default_factory=Hooks)
 
     def __enter__(self) -> "ActivationCollector":
-        for name, module in self.model.named_modules():
-            if not name:
-                continue  # the model itself: its output is the logits, measured as the head's output
-            is_leaf = next(module.children(), None) is None
-            if is_leaf:
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name, module)))
-            self._handles.append(module.register_forward_hook(self._hook(name, module)))
-            if is_fused_experts(module):
-                self._handles.append(module.register_forward_hook(self._experts_hook(name, module), with_kwargs=True))
+        try:
+            for name, module in self.model.named_modules():
+                if not name:
+                    continue  # the model itself: its output is the logits, measured as the head's output
+                is_leaf = next(module.children(), None) is None
+                if is_leaf:
+                    self._handles.add_pre(module, self._pre_hook(name, module))
+                self._handles.add_post(module, self._hook(name, module))
+                if is_fused_experts(module):
+                    self._handles.add_post(module, self._experts_hook(name, module), with_kwargs=True)
+        except BaseException:
+            self._handles.remove()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
 
     def _record(self, site: str, module: nn.Module, value) -> None:
         t = first_tensor(value)
         if t is None:
             return
         if self.stop_at_nonfinite:
-            if self.first_nonfinite is None and site.endswith(":out") and not torch.isfinite(t).all():
+            if self.first_nonfinite is None and Site.parse(site).kind == "out" and not torch.isfinite(t).all():
                 self.first_nonfinite = site
             return
         stats = self.sites.get(site)
@@ -150,14 +155,18 @@ class ActivationCollector:
         stats.update(t)
 
     def _pre_hook(self, name: str, module: nn.Module):
+        site = str(Site(name, "in"))
+
         def hook(mod, args):
-            self._record(f"{name}:in", module, args)
+            self._record(site, module, args)
 
         return hook
 
     def _hook(self, name: str, module: nn.Module):
+        site = str(Site(name, "out"))
+
         def hook(mod, args, output):
-            self._record(f"{name}:out", module, output)
+            self._record(site, module, output)
 
         return hook
 
@@ -167,7 +176,7 @@ class ActivationCollector:
                 return
             for e, parts in expert_products(mod, args, kwargs):
                 for part, t in parts.items():
-                    self._record(f"{name}:expert{e}{part}", module, t)
+                    self._record(str(Site.of_expert(name, e, part)), module, t)
 
         return hook
 
@@ -180,7 +189,7 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def expert_products(module: nn.Module, args: tuple, kwargs: dict):
-    """(e, {"": gated product, ".gate": gate pre-activation, ".up": up pre-activation}) for every expert some
+    """(e, {"": gated product, "gate": gate pre-activation, "up": up pre-activation}) for every expert some
     token was routed to, as the module's own forward computes them: forward(hidden_states [T, H], top-k
     expert indices [T, k], routing weights); gate and up concatenated ([gate; up]) or interleaved."""
     names = ("hidden_states", "top_k_index", "router_indices")
@@ -199,9 +208,9 @@ def expert_products(module: nn.Module, args: tuple, kwargs: dict):
             h = h + bias[e]
         parts = {"": module._apply_gate(h)}
         if not getattr(module, "has_gate", True):
-            parts[".up"] = h
+            parts["up"] = h
         elif getattr(module, "is_concatenated", True):
-            parts[".gate"], parts[".up"] = h.chunk(2, dim=-1)
+            parts["gate"], parts["up"] = h.chunk(2, dim=-1)
         else:
-            parts[".gate"], parts[".up"] = h[..., ::2], h[..., 1::2]
+            parts["gate"], parts["up"] = h[..., ::2], h[..., 1::2]
         yield e, parts

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..errors import HalfsafeError
 from ..layers import find_blocks
 from ..precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
+from ..sites import Hooks
 from .shards import Shards
 
 STREAMED_ATTR = "_halfsafe_streamed"
@@ -51,7 +52,7 @@ class Streamed:
     loads: int = 0  # tensors read from the shards so far (tests count them)
     _placeholders: dict[str, nn.Parameter] = field(default_factory=dict)
     _cache: "OrderedDict[str, torch.Tensor]" = field(default_factory=OrderedDict)
-    _handles: list = field(default_factory=list)
+    _handles: Hooks = field(default_factory=Hooks)
     _strict: object = None
     stem: list[str] = field(default_factory=list)  # units outside the blocks, held for a whole forward (see attach)
     _depth: int = 0
@@ -163,19 +164,17 @@ class Streamed:
         weight outside its module (Gemma 4 reads the pad token's embedding row directly)."""
         roots = {id(m): m for m in (self.model, getattr(self.model, "base_model", None)) if m is not None}
         for root in roots.values():
-            self._handles.append(root.register_forward_pre_hook(lambda m, a: self._enter_model()))
-            self._handles.append(root.register_forward_hook(lambda m, a, o: self._exit_model(), always_call=True))
+            self._handles.add_pre(root, lambda m, a: self._enter_model())
+            self._handles.add_post(root, lambda m, a, o: self._exit_model(), always_call=True)
         for unit in self.units:
             module = self.model.get_submodule(unit)
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: self._onload(u)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o, u=unit: self._offload(u), always_call=True))
+            self._handles.add_pre(module, lambda m, a, u=unit: self._onload(u))
+            self._handles.add_post(module, lambda m, a, o, u=unit: self._offload(u), always_call=True)
         setattr(self.model, STREAMED_ATTR, self)
         return self
 
     def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
 
 
 def streamed_of(model: nn.Module) -> Streamed | None:

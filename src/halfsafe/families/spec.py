@@ -66,6 +66,31 @@ class Move:
 
 
 @dataclass(frozen=True)
+class EpsScope:
+    """One norm eps that a group's `eps_power` moves, as rewrite.scale_eps_ reads it: the configs that hold the
+    value and the norms that copied it at construction. Family data names it where it is written: the family's eps
+    (`Family.eps_attrs`, narrowed by `eps_scope`, `eps_skip_modules`, `fixed_eps_modules`) and a group's own
+    (`GroupSpec.eps_field`, `eps_modules`); `groups.eps_scopes` turns either into these records, with module
+    names as the model names them.
+
+    configs: dotted paths from the model's config to the configs holding the eps ("vision_config"; "" the
+        model's config itself).
+    attrs: the eps fields there that move (a config lacking one is skipped).
+    modules: module-name prefixes whose norms (and the configs their sub-models keep) read it; () every module.
+    keep: prefixes inside those whose norms keep an eps of their own, even where it holds the same value (a tower).
+    fixed: module-name suffixes whose eps the modeling code fixes: never moves (a checkpoint cannot carry it).
+    copies_only: a config a covered sub-model keeps moves only where it holds the value of `configs` (a copy);
+        False: every such config that holds the field (the model's eps, held by its stacks or halves)."""
+
+    configs: tuple[str, ...]
+    attrs: tuple[str, ...]
+    modules: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
+    fixed: tuple[str, ...] = ()
+    copies_only: bool = True
+
+
+@dataclass(frozen=True)
 class GroupSpec:
     name: str
     moves: tuple[Move, ...]
@@ -120,6 +145,8 @@ class Family:
     eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
     # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
     eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
+    # The next three say where the family's eps (what eps_power moves) lives; groups.eps_scopes turns them, and each
+    # GroupSpec.eps_field, into EpsScope records, the one description rewrite.scale_eps_ reads.
     # Where the moved eps lives, for models whose sub-configs keep eps of their own (a vision or audio tower
     # beside a language model): fn(model) -> {sub-config attribute of model.config ("" for model.config
     # itself): module names under which every norm copied that eps}. None: every config and every module.

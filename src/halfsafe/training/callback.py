@@ -40,6 +40,7 @@ from ..plan import constraints_from, solve
 from ..probe import probe
 from ..stats import SiteStats
 from .coordinates import TrainingRescaler
+from ..sites import Site
 from .headroom import WATCH_ALL, PeakSampler, headroom_bits, plain_fp32_forward
 
 log = logging.getLogger("halfsafe.training")
@@ -144,7 +145,8 @@ class HeadroomCallback(TrainerCallback, ExportableState):
             i = sampler.layer_of(s)
             if i is not None:
                 per_layer[i] = min(per_layer.get(i, math.inf), b)
-        block_outs = [bits[f"{b}:out"] for b in sampler.blocks if f"{b}:out" in bits]
+        outs = (str(Site(b, "out")) for b in sampler.blocks)
+        block_outs = [bits[o] for o in outs if o in bits]
         worst = min(bits, key=bits.get)
         entry = {"step": step, "min_bits": bits[worst], "min_site": worst, "layers": per_layer,
                  "residual_min_bits": min(block_outs, default=math.inf)}

@@ -52,6 +52,7 @@ from ..formats import FP16_MAX
 from ..forward import model_inputs
 from ..layers import find_blocks
 from ..scan import collect
+from ..sites import Hooks, Site, block_of, within
 from ..stats import first_tensor
 
 STATE_VERSION = 1
@@ -130,15 +131,15 @@ class _Penalty:
         self.hinge = hinge
         self.total: torch.Tensor | None = None
         self.peaks: dict[str, float] = {}
-        self._handles = []
+        self._handles = Hooks()
         modules = dict(model.named_modules())
         for site in sites:
-            name, kind = site.rsplit(":", 1)
-            m = modules[name]
-            if kind == "in":
-                self._handles.append(m.register_forward_pre_hook(lambda mod, args, s=site: self._add(s, args)))
+            where = Site.parse(site)
+            m = modules[where.module]
+            if where.kind == "in":
+                self._handles.add_pre(m, lambda mod, args, s=site: self._add(s, args))
             else:
-                self._handles.append(m.register_forward_hook(lambda mod, args, out, s=site: self._add(s, out)))
+                self._handles.add_post(m, lambda mod, args, out, s=site: self._add(s, out))
 
     def _add(self, site: str, value) -> None:
         t = first_tensor(value)
@@ -155,9 +156,7 @@ class _Penalty:
         self.total, self.peaks = None, {}
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -204,14 +203,14 @@ def _teacher_logp(teacher: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _owner(site: str, blocks: list[str], mode: str) -> str:
     """The module whose parameters train for `site`: its block ("blocks"), or ("parent") the module
     around the site's module, never wider than the block (a block's own output trains the block)."""
-    module = site.rsplit(":", 1)[0]
-    block = next((b for b in blocks if module == b or module.startswith(b + ".")), None)
+    module = Site.parse(site).module
+    block = block_of(module, blocks)
     if mode == "blocks" or module == block:
         return block or module
     parent = module.rsplit(".", 1)[0] if "." in module else module
     if block is None:  # outside the blocks (a head, an embedding): the module itself
         return module
-    return parent if parent == block or parent.startswith(block + ".") else block
+    return parent if within(parent, block) else block
 
 
 def _trainable(model: nn.Module, watched: list[str], mode: str) -> list[str]:

@@ -14,19 +14,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..formats import FP16_MAX
 from ..layers import find_blocks
+from ..sites import Hooks, Site, block_of, headroom_bits
 from ..stats import first_tensor
 
 WATCH_ALL = "all"  # block outputs plus every leaf module's input and output
 WATCH_BLOCKS = "blocks"  # block outputs only (the residual stream)
 
-
-def headroom_bits(peak: float) -> float:
-    """log2(65504 / peak): doublings left before float16 overflows; -inf once it has."""
-    if not math.isfinite(peak):
-        return -math.inf
-    return math.log2(FP16_MAX / peak) if peak > 0 else math.inf
+__all__ = ["WATCH_ALL", "WATCH_BLOCKS", "PeakSampler", "headroom_bits", "plain_fp32_forward"]
 
 
 class PeakSampler:
@@ -42,11 +37,12 @@ class PeakSampler:
         self.sites = self._choose(watch)
         self.peaks: dict[str, torch.Tensor] = {}
         self.input_ids: torch.Tensor | None = None  # a short slice of the sampled batch (for probing)
-        self._handles: list = []
+        self._index = {b: i for i, b in enumerate(self.blocks)}
+        self._handles = Hooks()
 
-    def _choose(self, watch) -> list[tuple[str, str]]:
+    def _choose(self, watch) -> list[Site]:
         blocks = set(self.blocks)
-        sites: list[tuple[str, str]] = []
+        sites: list[Site] = []
         patterns = None if isinstance(watch, str) else [re.compile(p) for p in watch]
         if isinstance(watch, str) and watch not in (WATCH_ALL, WATCH_BLOCKS):
             raise ValueError(f"watch must be {WATCH_ALL!r}, {WATCH_BLOCKS!r} or a list of regular expressions, not {watch!r}")
@@ -55,13 +51,13 @@ class PeakSampler:
                 continue
             leaf = next(module.children(), None) is None
             for kind in (("in", "out") if leaf else ("out",)):
-                site = f"{name}:{kind}"
+                site = Site(name, kind)
                 if name in blocks and kind == "out":
-                    sites.append((name, kind))
+                    sites.append(site)
                 elif watch == WATCH_ALL and leaf:
-                    sites.append((name, kind))
-                elif patterns is not None and any(p.search(site) for p in patterns):
-                    sites.append((name, kind))
+                    sites.append(site)
+                elif patterns is not None and any(p.search(str(site)) for p in patterns):
+                    sites.append(site)
         return sites
 
     @property
@@ -73,19 +69,17 @@ class PeakSampler:
             return
         self.peaks = {}
         modules = dict(self.model.named_modules())
-        for name, kind in self.sites:
-            m = modules[name]
-            if kind == "in":
-                self._handles.append(m.register_forward_pre_hook(self._pre(f"{name}:in")))
+        for site in self.sites:
+            m = modules[site.module]
+            if site.kind == "in":
+                self._handles.add_pre(m, self._pre(str(site)))
             else:
-                self._handles.append(m.register_forward_hook(self._post(f"{name}:out")))
-        self._handles.append(self.model.register_forward_pre_hook(self._capture_ids, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(lambda *_: self.disarm(), always_call=True))
+                self._handles.add_post(m, self._post(str(site)))
+        self._handles.add_pre(self.model, self._capture_ids, with_kwargs=True)
+        self._handles.add_post(self.model, lambda *_: self.disarm(), always_call=True)
 
     def disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._handles.remove()
 
     def _record(self, site: str, value) -> None:
         t = first_tensor(value)
@@ -122,11 +116,8 @@ class PeakSampler:
         return out
 
     def layer_of(self, site: str) -> int | None:
-        module = site.rsplit(":", 1)[0]
-        for i, b in enumerate(self.blocks):
-            if module == b or module.startswith(b + "."):
-                return i
-        return None
+        """The index of the block that owns `site`, None outside the blocks."""
+        return self._index.get(block_of(site, self.blocks))
 
 
 @contextmanager

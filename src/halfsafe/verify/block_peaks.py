@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ..sites import Hooks
+
 
 class BlockPeaks:
     """Forward hooks: |x| max of each block's output (the residual stream after that block), inf once any is
@@ -15,7 +17,10 @@ class BlockPeaks:
     def __init__(self, model: nn.Module, blocks: list[str]) -> None:
         modules = dict(model.named_modules())
         self.peaks = [0.0] * len(blocks)
-        self.handles = [modules[b].register_forward_hook(self._hook(i)) for i, b in enumerate(blocks) if b in modules]
+        self.handles = Hooks()
+        for i, b in enumerate(blocks):
+            if b in modules:
+                self.handles.add_post(modules[b], self._hook(i))
 
     def _hook(self, i: int):
         def hook(module, args, out):
@@ -27,5 +32,4 @@ class BlockPeaks:
         return hook
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.handles.remove()
