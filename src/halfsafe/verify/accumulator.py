@@ -53,7 +53,7 @@ class Accumulator:
             self.nonfinite_positions += int((~finite.all(-1)).sum())
             self.kl_sum += float(kl_per_token(r, o).sum())
             self.top1_hits += int((r.argmax(-1) == o.argmax(-1)).sum())
-            self.max_err = _nanmax(self.max_err, float((o - r).abs().max()))
+            self.max_err = _nanmax(self.max_err, float((o.float() - r.float()).abs().max()))
         self.positions += flat.shape[0]
         if self.lm:
             nll, n = nll_sum(out, ids, encoder_decoder)
