@@ -185,11 +185,15 @@ def cmd_verify(args) -> int:
     from .display import verify_tables
     from .verify import verify, write_plots
 
+    from .engine.device import resolve_device
+
     texts = read_texts(args.text) if args.text else None  # default: the embedded held-out text
+    device = resolve_device(args.device)
     with console.status("verifying ...") as status:
         report = verify(
             args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
             seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens, progress=status.update,
+            device=device, stream=not args.whole,
         )
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())
@@ -298,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens generated from the start of each text (default 32; 0: none)")
     p.add_argument("--json", metavar="PATH", help="write every metric, per variant and per text, as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of KL per variant, and PATH-layers.png of per-layer peaks before/after")
+    _engine_options(p)
     p.set_defaults(func=cmd_verify)
     return parser
 

@@ -13,6 +13,8 @@ import torch
 from ..metrics import kl_per_token
 from .report import Metrics
 
+ROWS = 64  # positions compared at a time
+
 
 @torch.no_grad()
 def nll_sum(logits: torch.Tensor, ids: torch.Tensor, encoder_decoder: bool, chunk: int = 64) -> tuple[float, int]:
@@ -37,15 +39,22 @@ class Accumulator:
         self.greedy_matched = self.greedy_total = 0
         self.has_greedy = False
 
-    def add(self, ref: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, encoder_decoder: bool) -> None:
-        vocab = ref.shape[-1]
-        finite = torch.isfinite(out)
-        self.nonfinite_logits += int(finite.numel() - finite.sum())
-        self.nonfinite_positions += int((~finite.reshape(-1, vocab).all(-1)).sum())
-        self.positions += ref.numel() // vocab
-        self.kl_sum += float(kl_per_token(ref, out).sum())
-        self.top1_hits += int((ref.argmax(-1) == out.argmax(-1)).sum())
-        self.max_err = _nanmax(self.max_err, float((out - ref).abs().max()))
+    def add(self, ref, out: torch.Tensor, ids: torch.Tensor, encoder_decoder: bool) -> None:
+        """One sample's logits `out` against the reference's `ref` (a tensor, or anything whose `rows(lo, hi)`
+        gives rows of its [positions, vocab] view, such as the reference read back from disk), a few positions
+        at a time: no temporary of the whole [positions, vocab] size is made (262k vocabulary: 1 MiB a row)."""
+        vocab = out.shape[-1]
+        flat = out.reshape(-1, vocab)
+        rows = ref.rows if hasattr(ref, "rows") else (lambda lo, hi, r=ref.reshape(-1, vocab): r[lo:hi])
+        for lo in range(0, flat.shape[0], ROWS):
+            o, r = flat[lo:lo + ROWS], rows(lo, lo + ROWS)
+            finite = torch.isfinite(o)
+            self.nonfinite_logits += int(finite.numel() - finite.sum())
+            self.nonfinite_positions += int((~finite.all(-1)).sum())
+            self.kl_sum += float(kl_per_token(r, o).sum())
+            self.top1_hits += int((r.argmax(-1) == o.argmax(-1)).sum())
+            self.max_err = _nanmax(self.max_err, float((o.float() - r.float()).abs().max()))
+        self.positions += flat.shape[0]
         if self.lm:
             nll, n = nll_sum(out, ids, encoder_decoder)
             self.nll_sum += nll

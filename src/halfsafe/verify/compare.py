@@ -1,14 +1,17 @@
 """`verify` itself: load the original, build each variant from its record, run it against the float32 run,
 and gather the report.
 
-Memory: the fp32 original is loaded once; each 16-bit model is made from it with cast_copy (or loaded from the
-converted folder) once per source and dtype, and freed before the next.
+Memory: a folder (or fixture name) is run block by block (halfsafe.engine): its weights stay in the checkpoint and
+each variant is the same streamed model loading its units in that variant's dtype; the converted folder is streamed
+the same way, in float16. An in-memory original is loaded once and each 16-bit model is made from it with cast_copy
+(or loaded from the converted folder) once per source and dtype, and freed before the next.
 """
 
 from __future__ import annotations
 
 import gc
 import tempfile
+from contextlib import contextmanager
 from itertools import groupby
 from pathlib import Path
 from typing import Callable
@@ -22,7 +25,8 @@ from ..layers import find_blocks
 from ..precision import cast_copy
 from .converted import check_converted, load_converted
 from .report import VariantResult, VerifyReport, environment
-from ..engine.device import exact_fp16_reductions
+from ..engine.device import exact_fp16_reductions, resolve_device
+from ..engine.streamed import compute_device, streamed_of
 from .runner import Runner, prepare_inputs
 from .variants import ALL_VARIANTS, REFERENCE, VARIANTS, Variant
 
@@ -40,6 +44,7 @@ def verify(
     variants: list[str] | None = None,
     device: str | torch.device | None = None,
     progress: Callable[[str], None] | None = None,
+    stream: bool = True,
 ) -> VerifyReport:
     """Compare every variant of `model` (a folder/fixture name/hub id, or a float32 model) with its float32
     run on `texts` (default: the embedded held-out text, never used for calibration).
@@ -48,6 +53,8 @@ def verify(
     `max_samples`: samples of `seq_len` tokens per text at most (None: the whole text). `greedy_tokens`: tokens
     generated from the first `prompt_tokens` tokens of each text (0: skip). `variants`: a subset of
     ALL_VARIANTS (the fp32 reference always runs). `progress`: called with a short status line.
+    `stream`: run a folder (original and converted) block by block from its shards (halfsafe.engine), holding one
+    block's weights at a time; False loads each whole. `device`: where it computes ("cpu", "cuda", "auto").
     """
     from ..calibration import heldout_text
     from ..loading import load_model
@@ -56,14 +63,14 @@ def verify(
     name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
     if isinstance(model, nn.Module):
         original = model
+        if device is not None:
+            original.to(resolve_device(device) if isinstance(device, str) else device)
     else:
-        loaded = load_model(model, torch.float32)
+        loaded = load_model(model, torch.float32, stream=stream, device=resolve_device(device or "cpu"))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
-    if device is not None:
-        original.to(device)
-    dev = original.device
+    dev = compute_device(original)
     todo, skipped = _chosen(variants, converted is not None)
     if converted is not None and not isinstance(converted, nn.Module):
         check_converted(converted, original)  # fail before the slow part
@@ -74,19 +81,18 @@ def verify(
         raise HalfsafeError("give one name per text")
     vocab = original.config.get_text_config().vocab_size
     inputs = prepare_inputs(texts, text_names, tokenizer, vocab, seq_len, max_samples, prompt_tokens)
+    loaded = tokenizer = None  # only the ids are needed from here on (Gemma 3's tokenizer: 0.34 GB, 0.19 GB of it returned)
     blocks = find_blocks(original)
     results: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions():
         runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
-            built = _build(original, converted, from_converted, dtype, progress)
-            try:
+            with _built(original, converted, from_converted, dtype, stream, dev, progress) as built:
                 for variant in group:
                     _run_patched(runner, built, variant, results, skipped)
-            finally:
-                del built
-                gc.collect()
+            del built  # before the next group's model is made
+            gc.collect()
     return VerifyReport(
         model=name,
         converted=None if converted is None else (str(converted) if not isinstance(converted, nn.Module) else "(model object)"),
@@ -119,15 +125,31 @@ def _chosen(variants: list[str] | None, have_converted: bool) -> tuple[list[Vari
     return [VARIANTS[v] for v in ALL_VARIANTS if v in wanted and v != REFERENCE], skipped
 
 
-def _build(original: PreTrainedModel, converted, from_converted: bool, dtype: torch.dtype, progress) -> PreTrainedModel:
-    """The model a group of variants runs on: the original cast to `dtype`, or the converted checkpoint (a
-    folder is loaded in float16; a model object is cast to `dtype` unless it is in it already)."""
+@contextmanager
+def _built(original: PreTrainedModel, converted, from_converted: bool, dtype: torch.dtype, stream: bool, device, progress):
+    """The model a group of variants runs on, for the duration: the original in `dtype` (a streamed original loads
+    its units in `dtype`, restored after; an in-memory one is cast_copy'd, freed after), or the converted checkpoint
+    (a folder in float16, streamed when `stream`; a model object cast to `dtype` unless it is in it already)."""
     if not from_converted:
-        return cast_copy(original, dtype).eval()
+        s = streamed_of(original)
+        if s is None:
+            half = cast_copy(original, dtype).eval()
+            try:
+                yield half
+            finally:
+                del half
+            return
+        saved = s.set_dtype(dtype)
+        try:
+            yield original
+        finally:
+            s.restore_dtype(saved)
+        return
     progress("loading the converted checkpoint")
     if isinstance(converted, nn.Module):
-        return converted if next(converted.parameters()).dtype == dtype else cast_copy(converted, dtype).eval()
-    return load_converted(converted, original)
+        yield converted if next(converted.parameters()).dtype == dtype else cast_copy(converted, dtype).eval()
+        return
+    yield load_converted(converted, original, stream=stream, device=device)
 
 
 def _run_patched(runner: Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:

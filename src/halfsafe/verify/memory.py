@@ -69,9 +69,13 @@ def storage_key(t: torch.Tensor) -> int | None:
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers, each storage once (tied weights share one)."""
+    """Bytes of the parameters and buffers, each storage once (tied weights share one). A streamed model's
+    parameters rest on the meta device in the dtype they load in: they count as the model holding them would."""
     seen, total = set(), 0
     for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "meta":
+            total += t.numel() * t.element_size()  # parameters() yields a tied weight once
+            continue
         key = storage_key(t)
         if key is not None and key not in seen:
             seen.add(key)

@@ -7,6 +7,7 @@ and one sample's logits are in memory at once.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from ..engine.streamed import compute_device
 from ..forward import is_encoder_decoder
 from ..forward import logits as forward_logits
 from .accumulator import Accumulator, matched_prefix
@@ -49,11 +51,20 @@ def predicts_tokens(model: PreTrainedModel) -> bool:
 
 
 @torch.no_grad()
-def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int) -> list[int]:
+def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, cache_bytes: int = 0) -> list[int]:
     """`n` greedily generated token ids after `prompt` ([1, len]); for encoder-decoder models the prompt is the
     encoder input and the decoder starts from its start token. End-of-sequence is suppressed so that every
-    variant generates exactly `n` tokens."""
-    prompt = prompt.to(model.device)
+    variant generates exactly `n` tokens. A streamed model (halfsafe.engine) runs one forward per token: it holds
+    its embeddings and head throughout and keeps up to `cache_bytes` of its blocks' weights loaded between tokens
+    (`resident`); the blocks that do not fit are read again for every token."""
+    from ..engine.streamed import resident, stem_held
+
+    with stem_held(model), resident(model, cache_bytes):
+        return _greedy(model, prompt, n)
+
+
+def _greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int) -> list[int]:
+    prompt = prompt.to(compute_device(model))
     gen = GenerationConfig(
         do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=n,
         eos_token_id=model.generation_config.eos_token_id,
@@ -67,20 +78,40 @@ def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int) -> list[int]:
 
 
 class ReferenceCache:
-    """The reference run's logits, one file per sample in `folder`, and its greedy tokens per text."""
+    """The reference run's logits, one raw float32 file per sample in `folder`, and its greedy tokens per text.
+    Read back a few rows at a time with ordinary reads (`Rows`): nothing is mapped, so the reference adds
+    only those rows to the process's memory, not a second copy of a sample's logits."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.greedy: list[list[int]] = []
+        self.shapes: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def _path(self, t: int, s: int) -> Path:
-        return self.folder / f"ref-{t}-{s}.pt"
+        return self.folder / f"ref-{t}-{s}.f32"
 
     def save(self, t: int, s: int, logits: torch.Tensor) -> None:
-        torch.save(logits, self._path(t, s))
+        logits.float().contiguous().numpy().tofile(self._path(t, s))
+        self.shapes[t, s] = tuple(logits.shape)
 
-    def load(self, t: int, s: int) -> torch.Tensor:
-        return torch.load(self._path(t, s), mmap=True)
+    def load(self, t: int, s: int) -> "Rows":
+        return Rows(self._path(t, s), self.shapes[t, s])
+
+
+class Rows:
+    """A stored [..., vocab] float32 tensor, rows of its [positions, vocab] view on request."""
+
+    def __init__(self, path: Path, shape: tuple[int, ...]) -> None:
+        self.path, self.shape = path, shape
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        vocab = self.shape[-1]
+        hi = min(hi, math.prod(self.shape) // vocab)
+        out = torch.empty(max(hi - lo, 0), vocab, dtype=torch.float32)
+        with open(self.path, "rb") as f:
+            f.seek(lo * vocab * 4)
+            f.readinto(out.numpy())
+        return out
 
 
 class Runner:
@@ -105,10 +136,10 @@ class Runner:
     def _run(self, model: PreTrainedModel, variant: Variant, reference: bool) -> VariantResult:
         lm = predicts_tokens(model)
         encdec = is_encoder_decoder(model)
-        device = model.device
+        device = compute_device(model)
         peaks = BlockPeaks(model, self.blocks)
         overall, per_text, greedy_all = Accumulator(lm), [], []
-        seconds, tokens, peak_act, method = 0.0, 0, 0, ""
+        seconds, tokens, peak_act, method, logit_bytes = 0.0, 0, 0, "", 0
         try:
             for t, text_samples in enumerate(self.inputs.samples):
                 acc = Accumulator(lm)
@@ -125,15 +156,18 @@ class Runner:
                         out = forward()
                     seconds += time.perf_counter() - start
                     tokens += ids.numel()
-                    out = out.float().cpu()
+                    out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
+                    logit_bytes = max(logit_bytes, out.numel() * 4)
                     if reference:
                         self.refs.save(t, s, out)
-                    ref = self.refs.load(t, s)
+                    ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
                     acc.add(ref, out, ids, encdec)
                     del out, ref
                 if self.greedy_tokens > 0 and model.can_generate():
                     self.progress(f"{variant.name}: greedy generation, text {t + 1}")
-                    toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens)
+                    # blocks stay loaded between tokens up to the bytes one sample's float32 logits took above:
+                    # generation then needs no more memory than the forward passes did
+                    toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
                     greedy_all.append(toks)
                     ref_toks = toks if reference else self.refs.greedy[t]
                     acc.add_greedy(matched_prefix(ref_toks, toks), len(ref_toks))
