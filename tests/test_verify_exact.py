@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from torch import nn
 import halfsafe
 import halfsafe.plots
 from halfsafe.baselines import clamp_residual_adds
+from halfsafe.engine.streamed import compute_device, streamed_of
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime import RuntimeHandle, keep_residual_fp32
 from halfsafe.verify import accumulator, compare, converted, memory, report, runner, variants
@@ -308,19 +310,43 @@ def test_run_patched_runs_inside_the_patch_or_records_why_not():
     assert results == ["result p"] and skipped == {"q": "does not apply here"}
 
 
-def test_build_casts_the_original_or_takes_the_converted(monkeypatch):
+def test_built_casts_the_original_or_takes_the_converted(monkeypatch):
     original = make_tiny("llama")
     said = []
-    half = compare._build(original, None, False, torch.float16, said.append)
-    assert half is not original and not half.training and said == []
-    assert all(p.dtype == torch.float16 for p in half.parameters())
-    assert next(original.parameters()).dtype == torch.float32
-    assert compare._build(original, half, True, torch.float16, said.append) is half  # already float16: as it is
+    with compare._built(original, None, False, torch.float16, True, "DEV", said.append) as half:
+        assert half is not original and not half.training and said == []
+        assert all(p.dtype == torch.float16 for p in half.parameters())
+        assert next(original.parameters()).dtype == torch.float32
+    with compare._built(original, half, True, torch.float16, True, "DEV", said.append) as same:
+        assert same is half  # already float16: as it is
     assert said == ["loading the converted checkpoint"]
-    bf = compare._build(original, half, True, torch.bfloat16, said.append)
-    assert bf is not half and not bf.training and all(p.dtype == torch.bfloat16 for p in bf.parameters())
-    monkeypatch.setattr(compare, "load_converted", lambda c, o: ("loaded", c, o))
-    assert compare._build(original, "folder", True, torch.float16, said.append) == ("loaded", "folder", original)
+    with compare._built(original, half, True, torch.bfloat16, True, "DEV", said.append) as bf:
+        assert bf is not half and not bf.training and all(p.dtype == torch.bfloat16 for p in bf.parameters())
+    monkeypatch.setattr(compare, "load_converted", lambda c, o, **k: ("loaded", c, o, k))
+    with compare._built(original, "folder", True, torch.float16, False, "DEV", said.append) as got:
+        assert got == ("loaded", "folder", original, {"stream": False, "device": "DEV"})
+    with compare._built(original, "folder", True, torch.float16, True, "DEV2", said.append) as got:
+        assert got == ("loaded", "folder", original, {"stream": True, "device": "DEV2"})
+    assert said == ["loading the converted checkpoint"] * 4
+
+
+def test_built_switches_a_streamed_original_and_restores_it(monkeypatch):
+    """A streamed original is not copied: it loads its units in the group's dtype for the duration, restored
+    after, also when the group fails."""
+    log = []
+    fake = SimpleNamespace(set_dtype=lambda d: log.append(("set", d)) or "SAVED", restore_dtype=lambda s: log.append(("restore", s)))
+    original = SimpleNamespace()
+    monkeypatch.setattr(compare, "streamed_of", lambda m: fake if m is original else None)
+    monkeypatch.setattr(compare, "cast_copy", lambda *a: pytest.fail("a streamed original is not copied"))
+    said = []
+    with compare._built(original, None, False, torch.bfloat16, True, "DEV", said.append) as got:
+        assert got is original and log == [("set", torch.bfloat16)]
+    assert log == [("set", torch.bfloat16), ("restore", "SAVED")] and said == []
+    log.clear()
+    with pytest.raises(RuntimeError, match="^boom$"):
+        with compare._built(original, None, False, torch.float16, True, "DEV", said.append):
+            raise RuntimeError("boom")
+    assert log == [("set", torch.float16), ("restore", "SAVED")]
 
 
 # --- converted folders ----------------------------------------------------------------------------------------------
@@ -335,7 +361,9 @@ def test_check_converted_names_the_problem(tmp_path):
     with pytest.raises(HalfsafeError, match="is a 'gpt2' model but the original is 'llama': give the checkpoint converted from this model"):
         converted.check_converted(folder, original)
     with pytest.raises(HalfsafeError, match="could not load the converted checkpoint"):  # a config and no weights
-        converted.load_converted(folder, SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
+        converted.load_converted(folder, SimpleNamespace(config=SimpleNamespace(model_type="gpt2")), device="cpu")
+    with pytest.raises(HalfsafeError, match="^.*gpt2 has no weights \\(\\*\\.safetensors\\): copy the weight files next to config.json$"):
+        converted.load_converted(folder, SimpleNamespace(config=SimpleNamespace(model_type="gpt2")), stream=True, device="cpu")
 
 
 def test_load_converted_says_why_loading_failed_in_one_line(tmp_path, monkeypatch):
@@ -347,7 +375,7 @@ def test_load_converted_says_why_loading_failed_in_one_line(tmp_path, monkeypatc
 
     monkeypatch.setattr(converted, "load_pure_fp16", fail)
     with pytest.raises(HalfsafeError) as e:
-        converted.load_converted(folder, SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
+        converted.load_converted(folder, SimpleNamespace(config=SimpleNamespace(model_type="gpt2")), device="cpu")
     assert str(e.value) == f"could not load the converted checkpoint in {folder} ({'x' * 200})"
     assert converted.check_converted(str(folder), SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))).model_type == "gpt2"
 
@@ -360,10 +388,20 @@ def test_load_converted_in_float16_and_checks_parameters(tmp_path):
     assert all(torch.equal(a, b.half()) for a, b in zip(model.parameters(), original.parameters()))
     on_meta = make_tiny("llama").to("meta")  # the converted model goes where the original is
     assert next(converted.load_converted(tmp_path / "same", on_meta).parameters()).device.type == "meta"
+    assert next(converted.load_converted(tmp_path / "same", on_meta, device="cpu").parameters()).device.type == "cpu"
+    streamed = converted.load_converted(tmp_path / "same", original, stream=True, device="cpu")  # block by block, in float16
+    s = streamed_of(streamed)
+    assert s is not None and s.dtype == torch.float16 and compute_device(streamed) == torch.device("cpu")
+    assert all(p.device.type == "meta" and p.dtype == torch.float16 for p in streamed.parameters())
+    with torch.no_grad():
+        ids = torch.tensor([[1, 5, 9, 2]])
+        assert torch.equal(streamed(input_ids=ids).logits, model(input_ids=ids).logits)  # the same float16 model
     other = type(original)(original.config.__class__.from_dict({**original.config.to_dict(), "intermediate_size": 96}))
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(HalfsafeError, match="does not have the original's parameters"):
         converted.load_converted(tmp_path / "other", original)
+    with pytest.raises(HalfsafeError, match="does not have the original's parameters"):
+        converted.load_converted(tmp_path / "other", original, stream=True)
 
 
 # --- plots: the data handed to the drawing functions -------------------------------------------------------------------
@@ -419,10 +457,19 @@ def test_reference_cache_and_inputs(tmp_path, monkeypatch):
     cache = runner.ReferenceCache(tmp_path)
     x = torch.arange(6.0).reshape(1, 2, 3)
     cache.save(1, 2, x)
-    loads, load = [], torch.load
-    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append((a, k)) or load(*a, **k))
-    assert (tmp_path / "ref-1-2.pt").exists() and torch.equal(cache.load(1, 2), x) and cache.greedy == []
-    assert loads == [((tmp_path / "ref-1-2.pt",), {"mmap": True})]  # memory-mapped: one sample's logits in memory at a time
+    cache.save(0, 0, torch.tensor([[[1.5, -2.0], [0.25, 8.0]]], dtype=torch.float16).transpose(1, 2))  # widened, made contiguous
+    assert (tmp_path / "ref-1-2.f32").read_bytes() == bytes(torch.arange(6.0).numpy().data)  # raw float32, row-major
+    assert (tmp_path / "ref-0-0.f32").read_bytes() == bytes(torch.tensor([1.5, 0.25, -2.0, 8.0]).numpy().data)
+    assert cache.shapes == {(1, 2): (1, 2, 3), (0, 0): (1, 2, 2)} and cache.greedy == []
+    rows = cache.load(1, 2)
+    assert isinstance(rows, runner.Rows) and rows.path == tmp_path / "ref-1-2.f32" and rows.shape == (1, 2, 3)
+    read = []  # ordinary reads of only the rows asked for: nothing mapped, no whole sample in memory
+    real_open = open
+    monkeypatch.setattr(runner, "open", lambda *a: read.append(a) or real_open(*a), raising=False)
+    r = rows.rows(1, 65)  # clipped to the 2 rows there are
+    assert r.dtype == torch.float32 and r.tolist() == [[3.0, 4.0, 5.0]] and read == [(tmp_path / "ref-1-2.f32", "rb")]
+    assert rows.rows(0, 1).tolist() == [[0.0, 1.0, 2.0]] and rows.rows(0, 2).tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert rows.rows(2, 66).shape == (0, 3) and cache.load(0, 0).rows(1, 2).tolist() == [[-2.0, 8.0]]
     with monkeypatch.context() as m:
         made = []
         m.setattr(halfsafe.calibration, "make_samples", lambda *a: made.append(a) or [torch.arange(10)[None] + 100 * len(made),
@@ -457,7 +504,7 @@ def test_runner_against_itself_and_a_different_model(tmp_path):
     ref = run.run_reference(model, VARIANTS[REFERENCE])
     assert said == ["fp32: text 1/2, sample 1/1", "fp32: greedy generation, text 1", "fp32: text 2/2, sample 1/1",
                     "fp32: greedy generation, text 2"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref-0-0.pt", "ref-1-0.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref-0-0.f32", "ref-1-0.f32"]
     o = ref.overall
     assert (o.positions, o.nonfinite_logits, o.kl_mean, o.top1, o.max_abs_logit_error) == (10, 0, 0.0, 1.0, 0.0)
     assert (o.greedy_matched, o.greedy_total) == (6, 6) and len(ref.greedy_tokens) == 2
@@ -513,10 +560,6 @@ class _Original(nn.Module):
         self.moved.append(device)
         return self
 
-    @property
-    def device(self):
-        return "DEV"
-
 
 @pytest.fixture
 def wired(monkeypatch):
@@ -532,8 +575,6 @@ def wired(monkeypatch):
         def run_reference(self, model, variant):
             calls.append(("reference", model, variant.name, state["fp16_reductions"]))
             return "REF"
-
-    from contextlib import contextmanager
 
     @contextmanager
     def reductions():
@@ -553,23 +594,28 @@ def wired(monkeypatch):
         else:
             results.append(f"{variant.name} result")
 
-    def build(original, conv, from_converted, dtype, progress):
+    @contextmanager
+    def built(original, conv, from_converted, dtype, stream, device, progress):
         assert isinstance(original, _Original) and callable(progress)
         progress("building")
-        return f"built {conv} {from_converted} {dtype}"
+        calls.append(("build", stream, device))
+        yield f"built {conv} {from_converted} {dtype}"
+        calls.append("freed")
 
     def blocks(model):
         assert isinstance(model, _Original)
         return ["b0", "b1"]
 
-    monkeypatch.setattr(halfsafe.loading, "load_model", lambda source, dtype: calls.append(("load", source, dtype)) or loaded)
+    monkeypatch.setattr(halfsafe.loading, "load_model",
+                        lambda source, dtype, stream, device: calls.append(("load", source, dtype, stream, device)) or loaded)
+    monkeypatch.setattr(compare, "compute_device", lambda m: calls.append(("device of", m)) or "DEV")
     monkeypatch.setattr(halfsafe.calibration, "heldout_text", lambda: "HELD")
     monkeypatch.setattr(compare, "Runner", FakeRunner)
     monkeypatch.setattr(compare, "exact_fp16_reductions", reductions)
     monkeypatch.setattr(compare, "prepare_inputs", prepare)
     monkeypatch.setattr(compare, "find_blocks", blocks)
     monkeypatch.setattr(compare, "check_converted", lambda c, o: calls.append(("check", c, o)))
-    monkeypatch.setattr(compare, "_build", build)
+    monkeypatch.setattr(compare, "_built", built)
     monkeypatch.setattr(compare, "_run_patched", run_patched)
     monkeypatch.setattr(compare, "environment", lambda dev: {"device": dev})
     return SimpleNamespace(calls=calls, loaded=loaded, state=state)
@@ -580,11 +626,12 @@ def test_verify_defaults_with_a_model_object(wired):
     rep = compare.verify(original)
     f16 = "built None False torch.float16"
     assert wired.calls == [
+        ("device of", original),
         ("inputs", ["HELD"], ["held-out text (embedded)"], None, 77, 512, 2, 16),
         ("runner", ["held-out text (embedded)"], ["b0", "b1"], 32, True, "halfsafe-verify-", None),
         ("reference", original, "fp32", True),
-        ("run", "built None False torch.bfloat16", "bf16"), ("run", f16, "fp16"), ("run", f16, "fp16 clamp"),
-        ("run", f16, "fp16 + fp32 residual"),
+        ("build", True, "DEV"), ("run", "built None False torch.bfloat16", "bf16"), "freed",
+        ("build", True, "DEV"), ("run", f16, "fp16"), ("run", f16, "fp16 clamp"), ("run", f16, "fp16 + fp32 residual"), "freed",
     ]
     assert not wired.state["ref_dir"].exists()  # the reference logits are gone with the report
     assert original.moved == []
@@ -605,24 +652,37 @@ def test_verify_options_with_folders(wired):
                          variants=[HALFSAFE, FP16], device="cpu", progress=said.append)
     m = wired.loaded.model
     assert wired.calls == [
-        ("load", "orig", torch.float32),
+        ("load", "orig", torch.float32, True, "cpu"),
+        ("device of", m),
         ("check", "conv", m),
         ("inputs", ["a", "b"], ["text 1", "text 2"], "TOK", 77, 64, None, 4),
         ("runner", ["text 1", "text 2"], ["b0", "b1"], 0, True, "halfsafe-verify-", None),
         ("reference", m, "fp32", True),
-        ("run", "built conv False torch.float16", "fp16"), ("run", "built conv True torch.float16", "halfsafe fp16"),
+        ("build", True, "DEV"), ("run", "built conv False torch.float16", "fp16"), "freed",
+        ("build", True, "DEV"), ("run", "built conv True torch.float16", "halfsafe fp16"), "freed",
     ]
-    assert said == ["x", "building", "building"] and m.moved == ["cpu"]
+    assert said == ["x", "building", "building"] and m.moved == []  # a folder is loaded onto the device
     assert (rep.model, rep.converted, rep.seq_len, rep.greedy_tokens, rep.prompt_tokens) == ("orig", "conv", 64, 0, 4)
     assert [t["name"] for t in rep.texts] == ["text 1", "text 2"]
     wired.calls.clear()
     half = _Original(torch.float16)
     rep = compare.verify(_Original(), half, texts=["a"], text_names=["A"], tokenizer="MINE", variants=[HALFSAFE])
-    assert rep.converted == "(model object)" and [c[0] for c in wired.calls] == ["inputs", "runner", "reference", "run"]
-    assert wired.calls[0][2:4] == (["A"], "MINE")
+    assert rep.converted == "(model object)"
+    assert [c if isinstance(c, str) else c[0] for c in wired.calls] == ["device of", "inputs", "runner", "reference", "build", "run", "freed"]
+    assert wired.calls[1][2:4] == (["A"], "MINE") and wired.calls[5] == ("run", "built _Original() True torch.float16", HALFSAFE)
     wired.calls.clear()
-    compare.verify(Path("orig"), texts=["a"], tokenizer="MINE", variants=[FP16])
-    assert wired.calls[0] == ("load", Path("orig"), torch.float32) and wired.calls[1][3] == "MINE"
+    compare.verify(Path("orig"), texts=["a"], tokenizer="MINE", variants=[FP16], stream=False)
+    assert wired.calls[0] == ("load", Path("orig"), torch.float32, False, "cpu") and wired.calls[2][3] == "MINE"
+    assert wired.calls[-3] == ("build", False, "DEV")
+    wired.calls.clear()
+    compare.verify("orig", variants=[], device=torch.device("cpu"))
+    assert wired.calls[0] == ("load", "orig", torch.float32, True, "cpu")
+    obj = _Original()
+    compare.verify(obj, variants=[], device="cpu")
+    compare.verify(obj, variants=[], device=torch.device("cpu"))
+    assert obj.moved == ["cpu", torch.device("cpu")]  # a model object is moved to the device
+    with pytest.raises(HalfsafeError, match="^unknown device 'tpu'"):
+        compare.verify(obj, variants=[], device="tpu")
 
 
 def test_verify_refuses_a_16_bit_original_and_unnamed_texts(wired):
@@ -633,7 +693,7 @@ def test_verify_refuses_a_16_bit_original_and_unnamed_texts(wired):
         compare.verify(_Original(), texts=["a", "b"], text_names=["A"])
     with pytest.raises(HalfsafeError, match="unknown variant"):
         compare.verify(_Original(), variants=["fp8"])
-    assert wired.calls == []
+    assert [c[0] for c in wired.calls] == ["device of", "device of"]  # nothing loaded, built or run
 
 
 def test_accumulator_sums_over_several_adds():
