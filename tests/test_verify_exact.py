@@ -727,3 +727,32 @@ def test_accumulator_sums_over_several_adds():
     one = Accumulator(lm=False)  # a single position: the mean is the value itself
     one.add(ref[:, :1], out[:, :1], ids[:, :1], False)
     assert one.metrics().kl_mean == pytest.approx(kl_pq, rel=1e-12) and one.metrics().top1 == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_accumulator_sums_do_not_depend_on_the_chunk_of_positions(monkeypatch, rows):
+    """The accumulator compares a few positions at a time (ROWS), against a tensor or a reference read back by
+    rows; with 7 positions in chunks of 1 or 3 (a short last chunk) every sum equals the sum over all positions
+    computed with torch's own kl_div, argmax and abs, and a `rows(lo, hi)` reference gives the same."""
+    import halfsafe.verify.accumulator as accumulator
+
+    monkeypatch.setattr(accumulator, "ROWS", rows)
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1, 7, 5, generator=g, dtype=torch.float64)  # every position different
+    out = ref + 0.5 * torch.randn(1, 7, 5, generator=g, dtype=torch.float64)
+    ids = torch.zeros(1, 7, dtype=torch.long)
+    kl = sum(float(torch.nn.functional.kl_div(out[0, i].log_softmax(-1), ref[0, i].log_softmax(-1), log_target=True,
+                                              reduction="sum")) for i in range(7))
+    hits = int((ref[0].argmax(-1) == out[0].argmax(-1)).sum())
+    assert 0 < hits < 7  # the sample tells positions apart
+
+    class Read:  # the interface of a reference read back from disk
+        def rows(self, lo, hi):
+            return ref[0, lo:hi]
+
+    for reference in (ref, Read()):
+        acc = Accumulator(lm=False)
+        acc.add(reference, out, ids, False)
+        assert acc.positions == 7 and acc.top1_hits == hits
+        assert acc.max_err == pytest.approx(float((out - ref).abs().max()), rel=1e-6)  # computed in float32
+        assert acc.kl_sum == pytest.approx(kl, rel=1e-9)
