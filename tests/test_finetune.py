@@ -34,12 +34,7 @@ HELD_OUT_KL_BOUND = 3e-2  # the same on unseen ids: 1.3e-2 measured (see the tes
 FINETUNE_KL_BOUND = 1e-3  # nats/token the penalty fine-tune may cost (measured ~2e-4; bf16 costs Gemma 3 270M 7.7e-4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
 
 def _batches(n: int = 4, batch: int = 2, length: int = 24, seed: int = 0) -> list[torch.Tensor]:

@@ -22,13 +22,7 @@ from halfsafe.stats import ActivationCollector
 from halfsafe.shrink import map_governed, probe_governed, randomize_, shrunk_config, shrunk_model
 from tests.tiny import TINY, make_tiny, save_tiny, tiny_ids
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is several times faster than two on a shared CPU (bart's probe: 17 s vs 2.7 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
 
 
 FALLBACK: set[str] = set()  # tiny keys whose config cannot be shrunk (none today): they must probe the model itself

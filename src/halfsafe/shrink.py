@@ -21,19 +21,19 @@ logs why.
 from __future__ import annotations
 
 import logging
-import re
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from .engine.device import one_thread
 from .errors import UnsupportedModelError
 from .families import Family
 from .groups import Group, expand
 from .layers import find_blocks
 from .probe import probe
+from .sites import Site, block_of
 from .stats import is_fused_experts
 
 log = logging.getLogger(__name__)
@@ -292,10 +292,6 @@ def shrunk_model(model: PreTrainedModel, groups: list[Group] | None = None, seed
 
 # ----- mapping the shrunk probe onto the real model
 
-_SITE = re.compile(r"^(?P<module>[^:]*):(?P<kind>.*)$")
-_EXPERT = re.compile(r"^expert(\d+)(.*)$")
-
-
 def _experts(model: nn.Module) -> dict[str, int]:
     """fused experts module name -> how many experts it stacks."""
     return {n: m.gate_up_proj.shape[0] for n, m in model.named_modules() if is_fused_experts(m)}
@@ -323,29 +319,24 @@ class _Mapping:
         self.real_of: dict[str, list[str]] = defaultdict(list)  # shrunk block -> the real blocks it stands for
         for r, s in self.rep.items():
             self.real_of[s].append(r)
-        self.small_blocks = sorted((b for bs in ((f"{p}.{j}" for j in range(len(s))) for p, s in self.small_lists.items())
-                                    for b in bs), key=len, reverse=True)
-
-    def block_of(self, module: str) -> str | None:
-        return next((b for b in self.small_blocks if module == b or module.startswith(b + ".")), None)
+        self.small_blocks = [f"{p}.{j}" for p, s in self.small_lists.items() for j in range(len(s))]
 
     def rename(self, site: str, blocks: dict[str, list[str]]) -> list[str]:
         """A shrunk site under each real name it stands for; `blocks`: shrunk block -> the real blocks it stands
         for here (a site in a shrunk block not named there stands for nothing)."""
-        m = _SITE.match(site)
-        module, kind = m["module"], m["kind"]
-        b = self.block_of(module)
+        parsed = Site.parse(site)
+        module = parsed.module
+        b = block_of(module, self.small_blocks)
         modules = [module] if b is None else [r + module[len(b):] for r in blocks.get(b, ())]
-        e = _EXPERT.match(kind)
-        if e is None:
-            return [f"{x}:{kind}" for x in modules]
+        if parsed.expert is None:
+            return [str(Site(x, parsed.kind)) for x in modules]
         n_small = self.small_experts.get(module)
         out = []
         for x in modules:
             n_real = self.real_experts.get(x)
             if n_small is None or n_real is None:
                 raise UnsupportedModelError(f"{site}: no fused experts module {x} in the real model")
-            out += [f"{x}:expert{k}{e[2]}" for k in range(n_real) if k % n_small == int(e[1])]
+            out += [str(Site.of_expert(x, k, parsed.part)) for k in range(n_real) if k % n_small == parsed.expert]
         return out
 
 
@@ -374,8 +365,8 @@ def map_governed(real: PreTrainedModel, real_groups: list[Group], small: PreTrai
         moved = out[g.name] = {}
         for site, power in governed[counterpart].items():
             for name in mp.rename(site, blocks):
-                e = _EXPERT.match(name.split(":", 1)[1]) if g.expert is not None else None
-                if e is None or int(e[1]) == g.expert:  # one expert's group: its own expert's sites
+                expert = Site.parse(name).expert if g.expert is not None else None
+                if expert is None or expert == g.expert:  # one expert's group: its own expert's sites
                     moved[name] = power
     return out
 
@@ -383,17 +374,6 @@ def map_governed(real: PreTrainedModel, real_groups: list[Group], small: PreTrai
 def _next(block: str) -> str:
     prefix, i = block.rsplit(".", 1)
     return f"{prefix}.{int(i) + 1}"
-
-
-@contextmanager
-def _one_thread():
-    """A shrunk model's ops are tiny: on a busy CPU, more threads only wait on each other (6x slower measured)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def probe_governed(model: PreTrainedModel, family: Family, groups: list[Group], ids) -> dict[str, dict[str, float]]:
@@ -405,7 +385,7 @@ def probe_governed(model: PreTrainedModel, family: Family, groups: list[Group], 
     except UnsupportedModelError as e:
         log.warning("%s; probing the model itself", e)
         return probe(model, family, groups, ids)
-    with _one_thread():
+    with one_thread():
         governed = probe(small, family, small_groups, ids)  # raises if the family data does not hold
     try:
         return map_governed(model, groups, small, small_groups, governed)
