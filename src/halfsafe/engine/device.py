@@ -11,8 +11,10 @@ from ..errors import HalfsafeError
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(device: str = "auto") -> str:
-    """"auto": the GPU when torch sees one, else the CPU. "cuda" without a GPU is a one-line error."""
+def resolve_device(device: "str | torch.device" = "auto") -> str:
+    """"auto": the GPU when torch sees one, else the CPU. "cuda" without a GPU is a one-line error. A torch.device
+    is taken by its name."""
+    device = str(device)
     if device not in DEVICES and not str(device).startswith("cuda:"):
         raise HalfsafeError(f"unknown device {device!r}: use one of {', '.join(DEVICES)}")
     if device == "auto":

@@ -66,7 +66,7 @@ def verify(
         if device is not None:
             original.to(resolve_device(device) if isinstance(device, str) else device)
     else:
-        loaded = load_model(model, torch.float32, stream=stream, device=resolve_device(str(device or "cpu")))
+        loaded = load_model(model, torch.float32, stream=stream, device=resolve_device(device or "cpu"))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
