@@ -377,6 +377,7 @@ def recorded(monkeypatch):
     """Every slow step of convert_checkpoint / apply_checkpoint replaced by a recorder of its arguments."""
     calls = []
     loaded = SimpleNamespace(model=SimpleNamespace(config=_Config()), tokenizer="TOK", folder=Path("/the/source"))
+    loaded.set_tokenizer_aside = lambda: (lambda: "TOK again")  # the tokenizer is dropped, and given back to save
     report = SimpleNamespace(to_dict=lambda: {"plan": "P", "peak_before": 1.0})
     sample = torch.zeros(1, 4, dtype=torch.long)
 
@@ -407,7 +408,7 @@ def test_convert_checkpoint_defaults_reach_each_step(recorded):
         ("check", ("out", False, 12345), {}),
         ("samples", ([default_text()], "TOK", 300, 512, 8), {}),
         ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None}),
-        ("save", (m, "TOK", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), False,
+        ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), False,
                   DEFAULT_MAX_SHARD_SIZE, True), {}),
     ]
 
@@ -423,7 +424,7 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
         ("samples", (["a text"], "TOK", 300, 64, None), {}),
         ("long", ("TOK", 300, 2), {}),
         ("make", (m, [r.sample, "LONG"]), {"headroom_bits": 3.0, "allow_unfixable": True, "progress": False, "max_context": None}),
-        ("save", (m, "TOK", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, "1GB", False), {}),
+        ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, "1GB", False), {}),
     ]
     r.calls.clear()
     convert_checkpoint("src", "out", max_context=1000)
@@ -473,7 +474,7 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
         ("apply", (m, plan), {}),
         ("samples", ([default_text()], "TOK", 300, 256, 2), {}),
         ("scan", (m, [r.sample]), {"fp16_check": True, "progress": True, "name": "src"}),
-        ("save", (m, "TOK", "out", info, Path("/the/source"), False), {"progress": True}),
+        ("save", (m, "TOK again", "out", info, Path("/the/source"), False), {"progress": True}),
     ]
 
 

@@ -10,8 +10,8 @@ import torch
 from transformers import PreTrainedModel
 
 from .calibration import default_text, make_samples
-from .engine.device import resolve_device
-from .engine.streamed import weights
+from .engine.device import resolve_device, return_freed_memory
+from .engine.streamed import value_blocks, weights
 from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import Family, family_for
@@ -89,7 +89,7 @@ class ConversionReport:
 def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
     """Apply, run in fp16 on `ids`, compare to the fp32 reference, undo (bit for bit)."""
     with trial(model, family, groups, exponents), in_dtype(model, torch.float16) as half:
-        out = forward_logits(half, ids).float()
+        out = forward_logits(half, ids)  # compared in fp16: the metrics widen a few positions at a time, exactly
     finite = bool(torch.isfinite(out).all())
     return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
 
@@ -136,12 +136,13 @@ def choose_candidate(tried: list[Candidate]) -> Candidate:
     return min(valid, key=lambda c: (c.kl, -c.headroom_bits))
 
 
-def storage_error(t: torch.Tensor, chunk: int = 1 << 22) -> dict:
-    """How far the fp16 copy of `t` is from `t`: relative L2 error, and non-zero entries lost to
-    subnormals or overflow. In chunks: a 168M-entry embedding needs no full-size temporaries."""
+def storage_error(t, chunk: int = 1 << 22) -> dict:
+    """How far the fp16 copy of `t` (a tensor, or its blocks of rows) is from `t`: relative L2 error, and non-zero
+    entries lost to subnormals or overflow. In chunks: a 168M-entry embedding needs no full-size temporaries."""
     err2 = ref2 = 0.0
     subnormal = overflow = 0
-    for x in t.detach().flatten().split(chunk):
+    blocks = [t] if isinstance(t, torch.Tensor) else t
+    for x in (x for b in blocks for x in b.detach().flatten().split(chunk)):
         x = x.float()
         err2 += float((x.half().float() - x).double().pow(2).sum())
         ref2 += float(x.double().pow(2).sum())
@@ -188,6 +189,7 @@ def plan_fp16_safe(
     if samples is None:
         samples = default_samples(model, tokenizer)
     report = scan_report or scan(model, samples, progress=progress)
+    return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
     headroom_bits = margin.bits
     governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
@@ -247,9 +249,9 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
     ref = forward_logits(model, eval_ids).float()
     touched = sorted({t["param"] for t in report.plan.tensors})
     values = weights(model)  # read as they are at each access: before, then after the plan
-    before = {p: storage_error(values[p]) for p in touched}
+    before = {p: storage_error(value_blocks(values, p)) for p in touched}
     apply_plan_(model, report.plan)
-    report.storage = [{"param": p, "before": before[p], "after": storage_error(values[p])} for p in touched]
+    report.storage = [{"param": p, "before": before[p], "after": storage_error(value_blocks(values, p))} for p in touched]
     report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return report
 
@@ -323,9 +325,10 @@ def convert_checkpoint(
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
     if long_sample:
         samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
+    tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
                             max_context=max_context)
-    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
+    save_fp16_checkpoint(loaded.model, tokenizer(), out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
                          max_shard_size, progress)
     return report
 
@@ -348,11 +351,12 @@ def apply_checkpoint(
     apply_plan_(loaded.model, plan)
     vocab = loaded.model.config.get_text_config().vocab_size
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
+    tokenizer = loaded.set_tokenizer_aside()
     after = scan(loaded.model, samples, fp16_check=True, progress=progress, name=str(source))
     peak = after.peak
     info = {"source": str(source), "applied_plan_from": str(plan_path), "plan": plan.to_dict(), "peak_after": peak.abs_max,
             "scan_after": {"fp16_safe": after.fp16_safe, "first_nonfinite_fp16": after.first_nonfinite_fp16,
                            "peak_site": peak.name, "headroom_bits": peak.headroom_bits,
                            "margin_kept": peak.headroom_bits >= plan.headroom_bits}}
-    save_fp16_checkpoint(loaded.model, loaded.tokenizer, out, info, loaded.folder, overwrite, progress=progress)
+    save_fp16_checkpoint(loaded.model, tokenizer(), out, info, loaded.folder, overwrite, progress=progress)
     return plan, after

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .engine.streamed import value_blocks
 from .families import GAIN1P
 from .formats import FP16_MAX
 from .groups import Group, select_parts
@@ -46,10 +47,10 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         for m in g.moves:
             moves.setdefault(m.param, []).append((g.name, m))
     for name, entries in moves.items():
-        t = params[name].detach()
         if all(m.select is None for _, m in entries):
-            out += _weight_constraint(f"weight:{name}", t, entries)
+            out += _weight_constraint(f"weight:{name}", value_blocks(params, name), entries)
             continue
+        t = params[name].detach()
         # Moved in parts (a fused projection's rows, one expert's slice): each part's own peak, moved by the
         # groups that move that part or the whole tensor (summing every part's exponent on the whole
         # tensor's peak would let one expert's pair hold back all the others).
@@ -69,7 +70,9 @@ def _weight_constraint(site: str, t: torch.Tensor, entries: list) -> list[Constr
     for g, m in entries:
         powers[g] = powers.get(g, 0) + m.power
     kind = entries[0][1].kind
-    peak = float((1 + t.double()).abs().max()) if kind == GAIN1P else _abs_max(t) if t.numel() else 0.0
+    blocks = [t] if isinstance(t, torch.Tensor) else t  # a tensor, or its blocks of rows
+    peak = max((float((1 + b.detach().double()).abs().max()) if kind == GAIN1P else _abs_max(b) for b in blocks if b.numel()),
+               default=0.0)
     return [Constraint(site, math.log2(peak), {k: v for k, v in powers.items() if v})] if peak > 0 else []
 
 

@@ -48,3 +48,16 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(n)
+
+
+def return_freed_memory() -> None:
+    """Hand memory freed by Python and torch back to the system now (glibc keeps freed blocks for reuse: after
+    dropping Gemma 3's tokenizer 0.15 GB of its 0.33 GB stayed resident until trimmed). A no-op elsewhere."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

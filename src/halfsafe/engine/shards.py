@@ -8,6 +8,7 @@ error before any work starts.
 from __future__ import annotations
 
 import json
+import math
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from ..errors import HalfsafeError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+READ_BYTES = 64 << 20  # a tensor larger than this (as stored) is read in blocks of rows this size
 
 
 class Shards:
@@ -71,8 +73,18 @@ class Shards:
 
     def load(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stored tensor in `dtype` (floating tensors only; default: as stored), a fresh CPU tensor that owns
-        its memory (safetensors hands out views of the mapped file, which must not be written to or kept)."""
+        its memory (safetensors hands out views of the mapped file, which must not be written to or kept).
+        A large tensor is read a block of rows at a time, each from its own opening of the file: the mapped file
+        pages a read touches count in the process's memory until the file closes."""
         name = self.file_of[key]
+        shape = self.shape(key)
+        stored = self.dtype(key)
+        if len(shape) >= 2 and math.prod(shape) * stored.itemsize > READ_BYTES:
+            out = torch.empty(shape, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
+            step = max(1, READ_BYTES // (math.prod(shape[1:]) * stored.itemsize))
+            for a in range(0, shape[0], step):
+                out[a:a + step] = self.load_rows(key, a, min(a + step, shape[0]), out.dtype)
+            return out
         if self._stack is not None:
             f = self._open.get(name)
             if f is None:
@@ -80,6 +92,27 @@ class Shards:
             return _owned(f.get_tensor(key), dtype)
         with safe_open(self.folder / name, "pt") as f:
             return _owned(f.get_tensor(key), dtype)
+
+    def load_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the stored tensor, as `load` gives the whole. The file is opened for this read
+        alone: only these rows' pages are ever mapped."""
+        with safe_open(self.folder / self.file_of[key], "pt") as f:
+            return _owned(f.get_slice(key)[start:stop], dtype)
+
+    def load_index(self, key: str, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stored rows `rows` (sorted, distinct), stacked in that order; runs of consecutive rows are read at once."""
+        rows = rows.tolist()
+        runs, start = [], 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                runs.append((rows[start], rows[i - 1] + 1))
+                start = i
+        with safe_open(self.folder / self.file_of[key], "pt") as f:
+            s = f.get_slice(key)
+            parts = [_owned(s[a:b], dtype) for a, b in runs]
+        if not parts:
+            return torch.empty((0, *self.shape(key)[1:]), dtype=dtype or self.dtype(key))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _owned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

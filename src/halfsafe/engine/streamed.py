@@ -13,6 +13,7 @@ computed afresh from the stored values each time, so trying and undoing a plan l
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -26,9 +27,11 @@ from ..errors import HalfsafeError
 from ..layers import find_blocks
 from ..precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
 from ..sites import Hooks
-from .shards import Shards
+from .shards import READ_BYTES, Shards
+from .wide import WideWeight
 
 STREAMED_ATTR = "_halfsafe_streamed"
+WIDE_BYTES = 128 << 20
 
 
 @dataclass
@@ -49,7 +52,8 @@ class Streamed:
     dtype: torch.dtype = torch.float32
     cache_bytes: int = 0  # loaded tensors kept beyond the running unit (0: only the running unit's)
     rescale: dict[str, list] = field(default_factory=dict)  # param -> [(kind, exponent, select)], see rewrite
-    loads: int = 0  # tensors read from the shards so far (tests count them)
+    loads: int = 0  # tensors (or slices of wide ones) read from the shards so far (tests count them)
+    wide_bytes: int = WIDE_BYTES  # matrices larger than this are read a slice at a time (see engine.wide)
     _placeholders: dict[str, nn.Parameter] = field(default_factory=dict)
     _cache: "OrderedDict[str, torch.Tensor]" = field(default_factory=OrderedDict)
     _handles: Hooks = field(default_factory=Hooks)
@@ -60,22 +64,57 @@ class Streamed:
 
     # ----- what a unit sees
     def tensor(self, name: str) -> torch.Tensor:
-        """The parameter `name` as the model computes with it now: stored value, rescaled, in `dtype`, on `device`."""
+        """The parameter `name` as the model computes with it now: stored value, rescaled, in `dtype`, on `device`
+        (a `WideWeight`, read a slice at a time, when it is larger than `wide_bytes`: see `_is_wide`)."""
         t = self._cache.get(name)
         if t is not None:
             self._cache.move_to_end(name)
             return t
-        from ..rewrite import rescaled
-
-        self.loads += 1
-        entries = self.rescale.get(name, ())
-        keep_fp32 = self._strict is not None and self._strict.search(name)
-        # rescaled in float32; otherwise converted straight to `dtype`: the same single rounding, without a float32
-        # copy on the way (Gemma 3's embedding: 0.67 GB)
-        t = rescaled(self.shards.load(self.key_of[name], torch.float32 if entries or keep_fp32 else self.dtype), entries)
-        t = t.to(self.device, torch.float32 if keep_fp32 else self.dtype)
+        key = self.key_of[name]
+        if self._is_wide(name):
+            t = WideWeight(self, name, self.shards.shape(key), self._dtype_of(name), self.device)
+        else:
+            self.loads += 1
+            t = self._prepared(name, lambda dtype: self.shards.load(key, dtype))
         self._cache[name] = t
         return t
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of what `tensor(name)` computes with (a wide weight's values, a slice at a time)."""
+        self.loads += 1
+        return self._prepared(name, lambda dtype: self.shards.load_rows(self.key_of[name], start, stop, dtype))
+
+    def gather(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """The rows `rows` (sorted, distinct) of what `tensor(name)` computes with."""
+        self.loads += 1
+        return self._prepared(name, lambda dtype: self.shards.load_index(self.key_of[name], rows.cpu(), dtype))
+
+    def _dtype_of(self, name: str) -> torch.dtype:
+        return torch.float32 if self._strict is not None and self._strict.search(name) else self.dtype
+
+    def _prepared(self, name: str, read) -> torch.Tensor:
+        """`read(dtype)` (stored values) rescaled and cast as the model computes with them. Rescaled in float32;
+        otherwise read straight into the compute dtype: the same single rounding, without a float32 copy on the way."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from ..rewrite import rescaled
+
+        entries = self.rescale.get(name, ())
+        dtype = self._dtype_of(name)
+        # reading weights is not the model's computation: a dispatch mode watching the forward (verify's
+        # activation-bytes counter) must not count them, even when a wide weight is read during the forward
+        with _disable_current_modes():
+            t = rescaled(read(torch.float32 if entries or dtype == torch.float32 else dtype), entries)
+            return t.to(self.device, dtype)
+
+    def _is_wide(self, name: str) -> bool:
+        """A matrix bigger than `wide_bytes` (and than what the cache may hold) is read a slice at a time, when its
+        rescales act on every element alike (a rescale of some rows or columns needs the whole tensor)."""
+        shape = self.shards.shape(self.key_of[name])
+        if len(shape) != 2 or any(select is not None for _, _, select in self.rescale.get(name, ())):
+            return False
+        size = shape[0] * shape[1] * torch.empty((), dtype=self._dtype_of(name)).element_size()
+        return size > max(self.wide_bytes, self.cache_bytes)
 
     def original(self, name: str) -> torch.Tensor:
         """The stored parameter in float32, untouched by any rescale (for measuring weights)."""
@@ -90,7 +129,8 @@ class Streamed:
         # counter) sees the weights as an in-memory model's, made before the forward started
         with self.shards, _disable_current_modes():
             for slot, name in self.units[unit]:
-                slot.module._parameters[slot.attr] = nn.Parameter(self.tensor(name), requires_grad=False)
+                t = self.tensor(name)
+                slot.module._parameters[slot.attr] = t if isinstance(t, WideWeight) else nn.Parameter(t, requires_grad=False)
         self._loaded.add(unit)
         self._evict()
 
@@ -105,13 +145,12 @@ class Streamed:
     def _evict(self) -> None:
         """Drop cached tensors no loaded unit holds, oldest first, down to `cache_bytes`."""
         keep = {name for u in self._loaded for _, name in self.units[u]}
-        size = sum(t.numel() * t.element_size() for n, t in self._cache.items() if n not in keep)
+        size = sum(_held_bytes(t) for n, t in self._cache.items() if n not in keep)
         for name in list(self._cache):
             if size <= self.cache_bytes:
                 break
             if name not in keep:
-                t = self._cache.pop(name)
-                size -= t.numel() * t.element_size()
+                size -= _held_bytes(self._cache.pop(name))
 
     # ----- changing what loads compute
     def set_rescale(self, table: dict[str, list]) -> None:
@@ -182,6 +221,10 @@ class Streamed:
 
     def detach(self) -> None:
         self._handles.remove()
+
+
+def _held_bytes(t: torch.Tensor) -> int:
+    return 0 if isinstance(t, WideWeight) else t.numel() * t.element_size()
 
 
 def streamed_of(model: nn.Module) -> Streamed | None:
@@ -306,6 +349,26 @@ class _Weights(dict):
 
     def __contains__(self, name: object) -> bool:
         return name in self._s.key_of
+
+    def blocks(self, name: str):
+        """The same value a block of rows at a time (a 262k-token embedding is 0.7 GB in float32)."""
+        from ..rewrite import rescaled
+
+        shape, entries = self._s.shards.shape(self._s.key_of[name]), self._s.rescale.get(name, ())
+        if len(shape) < 2 or any(select is not None for _, _, select in entries):
+            yield self[name]
+            return
+        step = max(1, READ_BYTES // (math.prod(shape[1:]) * 4))
+        for a in range(0, shape[0], step):
+            yield rescaled(self._s.shards.load_rows(self._s.key_of[name], a, min(a + step, shape[0]), torch.float32), entries)
+
+
+def value_blocks(values, name: str):
+    """Parameter `name` of `weights(model)` in blocks of whole rows: the tensor itself for an in-memory model."""
+    if isinstance(values, _Weights):
+        yield from values.blocks(name)
+    else:
+        yield values[name]
 
 
 def weights(model: nn.Module):

@@ -79,18 +79,27 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     return bad
 
 
-def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: torch.dtype, bad: list) -> torch.Tensor:
+def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: torch.dtype, bad: list):
+    """The tensor `name` as written, in parts of whole rows (one part, or chunks of a wide weight's rows): every
+    part is rescaled in float32 and cast on its own, which is what casting the whole computes, element by element."""
     if name in params:
-        with streamed.shards:
-            t = streamed.tensor(name)
-        streamed._cache.clear()
+        if streamed._is_wide(name):
+            wide = streamed.tensor(name)
+            n, step = wide.shape[0], wide.chunk_rows()
+            parts = (streamed.rows(name, a, min(a + step, n)) for a in range(0, n, step))
+        else:
+            with streamed.shards:
+                parts = [streamed.tensor(name)]
+            streamed._cache.clear()
     else:
-        t = buffers[name]
-    if t.is_floating_point():
-        if not all(torch.isfinite(c).all() for c in t.view(-1).split(_CHUNK)):
-            bad.append(name)
-        t = t.to(dtype)  # the float32 value is freed here: one tensor and its fp16 copy at most
-    return t.contiguous()
+        parts = [buffers[name]]
+    for t in parts:
+        if t.is_floating_point():
+            if name not in bad and not all(torch.isfinite(c).all() for c in t.view(-1).split(_CHUNK)):
+                bad.append(name)
+            t = t.to(dtype)  # the float32 value is freed here: one tensor (or chunk) and its fp16 copy at most
+        yield t.contiguous()
+    streamed._cache.clear()
 
 
 _CHUNK = 1 << 24
@@ -111,9 +120,13 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for n in order:
-            t = value(n)
-            if tuple(t.shape) != tuple(layout[n].shape) or t.dtype != layout[n].dtype:
-                raise HalfsafeError(f"internal error: {n} is {tuple(t.shape)} {t.dtype}, expected {tuple(layout[n].shape)}")
-            if t.numel():
-                f.write(t.view(-1).view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
+            rows, shape = 0, tuple(layout[n].shape)
+            for t in value(n):  # whole rows, in order
+                if tuple(t.shape[1:]) != shape[1:] or t.dtype != layout[n].dtype or (not shape and t.shape):
+                    raise HalfsafeError(f"internal error: {n} is {tuple(t.shape)} {t.dtype}, expected {shape}")
+                rows += t.shape[0] if shape else 1
+                if t.numel():
+                    f.write(t.view(-1).view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
+            if rows != (shape[0] if shape else 1):
+                raise HalfsafeError(f"internal error: {rows} rows written for {n}, expected {shape}")
             advance()

@@ -1,0 +1,151 @@
+"""Wide weights (halfsafe.engine.wide): matrices read a slice at a time compute what the whole matrix computes.
+
+Every streamable tiny family runs with every matrix wide (wide_bytes=0) and chunks of 32 rows, so that embeddings,
+heads and the blocks' projections all go through the sliced paths, against the model loaded whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import halfsafe.engine.shards as shards_module
+import halfsafe.engine.wide as wide
+from halfsafe.checkpoint import save_fp16_checkpoint
+from halfsafe.engine.streamed import streamed_of, value_blocks, weights
+from halfsafe.engine.wide import WideWeight
+from halfsafe.families import family_for
+from halfsafe.forward import logits
+from halfsafe.groups import expand
+from halfsafe.loading import load_model
+from halfsafe.precision import in_dtype
+from halfsafe.rewrite import apply_exponents_, trial
+from tests.tiny import TINY, random_exponents, save_tiny, tiny_ids
+
+STREAMABLE = sorted(k for k in TINY if k not in {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"})
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(wide, "MIN_CHUNK_ROWS", 32)
+    monkeypatch.setattr(wide, "CHUNK_BYTES", 1)
+
+
+@pytest.fixture(scope="module", params=STREAMABLE)
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param.replace("/", "_"))
+    save_tiny(request.param, folder)
+    streamed = load_model(folder, stream=True).model
+    streamed_of(streamed).wide_bytes = 0  # every matrix wide
+    return request.param, load_model(folder).model, streamed
+
+
+def test_every_family_computes_the_whole_models_logits_with_every_matrix_wide(pair, small_chunks):
+    key, whole, streamed = pair
+    ids = tiny_ids(whole, 12)
+    assert torch.equal(logits(whole, ids), logits(streamed, ids))
+    with in_dtype(whole, torch.float16) as a, in_dtype(streamed, torch.float16) as b:
+        assert torch.equal(logits(a, ids), logits(b, ids)), "fp16 runs differ"
+    family = family_for(whole.config.model_type)
+    exps = random_exponents(expand(family, whole), seed=3)
+    with trial(whole, family, expand(family, whole), exps), trial(streamed, family, expand(family, streamed), exps):
+        assert torch.equal(logits(whole, ids), logits(streamed, ids)), "rescaled runs differ"
+
+
+def test_the_usual_paths_never_load_a_wide_matrix_whole(monkeypatch, small_chunks, tmp_path):
+    """Lookups read only their rows and linear layers a chunk at a time: the fallback that loads the whole
+    matrix is never taken by a standard decoder, an encoder-decoder or Gemma 3 (scaled embedding, tied head)."""
+    def refuse(self):
+        raise AssertionError(f"{self.param} loaded whole")
+
+    monkeypatch.setattr(WideWeight, "whole", refuse)
+    for key in ("llama", "t5", "gemma3_text"):
+        save_tiny(key, tmp_path / key)
+        streamed = load_model(tmp_path / key, stream=True).model
+        s = streamed_of(streamed)
+        s.wide_bytes = 0
+        read = []
+        monkeypatch.setattr(s.shards, "load_rows", lambda k, a, b, d=None, f=s.shards.load_rows, r=read: r.append(b - a) or f(k, a, b, d))
+        ids = tiny_ids(streamed, 12)
+        logits(streamed, ids)
+        embed = streamed.get_input_embeddings().weight
+        assert read and max(read) <= 32, "chunks of at most 32 rows"
+        assert embed.shape[0] > 32
+
+
+def test_an_embedding_lookup_reads_only_the_rows_it_needs(tmp_path):
+    save_tiny("llama", tmp_path)
+    streamed = load_model(tmp_path, stream=True).model
+    s = streamed_of(streamed)
+    s.wide_bytes = 0
+    asked = []
+    real = s.shards.load_index
+    s.shards.load_index = lambda key, rows, dtype=None: asked.append(rows.tolist()) or real(key, rows, dtype)
+    ids = torch.tensor([[7, 3, 7, 200, 4, 5, 6, 3]])
+    logits(streamed, ids)
+    assert asked == [[3, 4, 5, 6, 7, 200]], "each distinct id once, sorted"
+
+
+def test_shards_read_rows_and_lists_of_rows_as_the_whole(tmp_path, monkeypatch):
+    save_tiny("llama", tmp_path)
+    s = streamed_of(load_model(tmp_path, stream=True).model).shards
+    key = next(k for k in s.keys() if "embed" in k)
+    whole = s.load(key, torch.float32)
+    assert torch.equal(s.load_rows(key, 5, 40, torch.float32), whole[5:40])
+    rows = torch.tensor([0, 1, 2, 4, 9, 10, 12, 200, 255])  # runs, single rows, and rows two apart
+    assert torch.equal(s.load_index(key, rows, torch.float32), whole[rows])
+    assert s.load_index(key, torch.tensor([], dtype=torch.long), torch.float32).shape == (0, whole.shape[1])
+    monkeypatch.setattr(shards_module, "READ_BYTES", 1000)  # a large tensor is read in blocks of rows
+    assert torch.equal(s.load(key, torch.float32), whole)
+    assert torch.equal(s.load(key), whole.to(s.dtype(key)))
+
+
+def test_wide_weights_write_the_same_bytes_as_the_whole_model(tmp_path, small_chunks):
+    for key in ("gemma3_text", "t5"):
+        save_tiny(key, tmp_path / key)
+        whole = load_model(tmp_path / key).model
+        streamed = load_model(tmp_path / key, stream=True).model
+        streamed_of(streamed).wide_bytes = 0
+        family = family_for(whole.config.model_type)
+        exps = random_exponents(expand(family, whole), seed=5, choices=(-2, -1, 1))
+        apply_exponents_(whole, family, expand(family, whole), exps)
+        apply_exponents_(streamed, family, expand(family, streamed), exps)
+        save_fp16_checkpoint(whole, None, tmp_path / f"{key}-whole", {})
+        save_fp16_checkpoint(streamed, None, tmp_path / f"{key}-wide", {})
+        a, b = (Path(tmp_path / f"{key}-{m}/model.safetensors").read_bytes() for m in ("whole", "wide"))
+        assert a == b, key
+
+
+def test_weights_read_in_blocks_of_rows_are_the_whole_value(tmp_path, monkeypatch):
+    monkeypatch.setattr("halfsafe.engine.streamed.READ_BYTES", 2000)
+    save_tiny("gemma3_text", tmp_path)
+    whole = load_model(tmp_path).model
+    streamed = load_model(tmp_path, stream=True).model
+    family = family_for(whole.config.model_type)
+    exps = random_exponents(expand(family, whole), seed=2)
+    with trial(streamed, family, expand(family, streamed), exps), trial(whole, family, expand(family, whole), exps):
+        values = weights(streamed)
+        for name, p in whole.named_parameters():
+            blocks = list(value_blocks(values, name))
+            assert torch.equal(torch.cat(blocks) if p.dim() else blocks[0], p.detach()), name
+            if p.dim() == 2 and p.numel() * 4 > 2000:
+                assert len(blocks) > 1, name
+
+
+def test_a_wide_weight_reports_its_parameters_shape_and_falls_back_to_the_whole(tmp_path):
+    save_tiny("llama", tmp_path)
+    whole = load_model(tmp_path).model
+    streamed = load_model(tmp_path, stream=True).model
+    s = streamed_of(streamed)
+    s.wide_bytes = 0
+    name = "model.embed_tokens.weight"
+    w = s.tensor(name)
+    p = dict(whole.named_parameters())[name]
+    assert isinstance(w, WideWeight) and w.shape == p.shape and w.dtype == torch.float32 and w.dim() == 2
+    assert torch.equal(w * 2, p.detach() * 2), "any other use computes with the whole matrix"
+    assert torch.equal(w[5], p.detach()[5])
+    s.set_rescale({})
+    s.cache_bytes = 10**9
+    assert not isinstance(s.tensor(name), WideWeight), "a tensor the cache may hold is loaded whole"
