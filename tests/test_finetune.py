@@ -194,6 +194,15 @@ def test_headroom_callback_logs_warns_and_rescales_exactly(tmp_path, caplog):
     assert len(losses) == len(ref) == 8
     assert _rel(losses, ref) < TRAJECTORY_RTOL, (losses, ref)  # the rescale did not change the run
     assert cb.state()["attributes"]["applied_exponents"] == cb.rescales[0]["exponents"]
+    # which sites each group moves came from a shrunk random copy, mapped onto this model: what probing it says
+    from halfsafe.probe import probe
+    from halfsafe.training.headroom import plain_fp32_forward
+
+    from halfsafe.groups import expand
+
+    family = family_for(model.config.model_type)
+    with plain_fp32_forward(model), torch.no_grad():
+        assert cb._governed == probe(model, family, expand(family, model), tiny_ids(model))
 
 
 def test_headroom_callback_resumes_a_rescaled_run_from_a_checkpoint(tmp_path):

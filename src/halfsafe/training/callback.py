@@ -37,7 +37,7 @@ from transformers.trainer_callback import ExportableState
 
 from ..errors import HalfsafeError
 from ..plan import constraints_from, solve
-from ..probe import probe
+from ..shrink import probe_governed
 from ..stats import SiteStats
 from .coordinates import TrainingRescaler
 from ..sites import Site
@@ -173,8 +173,9 @@ class HeadroomCallback(TrainerCallback, ExportableState):
                 vocab = self._model.config.get_text_config().vocab_size
                 ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
             r = self._rescaler
+            # on a shrunk random copy of the architecture (the model itself only where no copy can stand for it)
             with plain_fp32_forward(self._model), torch.no_grad():
-                self._governed = probe(self._model, r.family, r.groups, ids.to(self._model.device))
+                self._governed = probe_governed(self._model, r.family, r.groups, ids.to(self._model.device))
         return self._governed
 
     def _rescale(self, step: int, peaks: dict[str, float], bits: dict[str, float]) -> None:
