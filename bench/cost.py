@@ -1,43 +1,42 @@
 #!/usr/bin/env python
-"""The README's scan/convert cost table: wall time and peak RSS of the real commands on the Gemma 3 270M fixture.
+"""The README's cost table: wall time and peak memory of the real commands on the Gemma 3 270M fixture, each run
+under a hard memory cap (a cgroup v1 memory controller, `bench/memory_cap.py`).
 
     .venv/bin/python bench/cost.py            # writes bench/results/cost.{json,md}
 
-Each command runs in its own process; peak RSS is the child's maximum resident set (getrusage), wall time is
-measured around it. The load average before each run is recorded: on a shared machine times are upper bounds.
+The caps are the memory goals: `convert` within 1.0x the float32 model (1.07 GB), `demo` (scan, convert, verify)
+within 1.5x; `scan` and the whole-model convert (`--whole`, the path the block-by-block engine replaced, for the
+time comparison) run under a loose cap. A run that needs more than its cap is killed (exit -9), so exit 0 under
+the cap shows the bound. The load average before each run is recorded: on a shared machine times are upper bounds.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
-import resource
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from memory_cap import run_capped  # noqa: E402
 from run_benchmarks import RESULTS, run_info  # noqa: E402
 
 FP32_BYTES = 268_098_176 * 4  # Gemma 3 270M parameters x 4 bytes: the fp32 model the ratios refer to
+LOOSE = 20.0  # x fp32: no cap in practice
 
 
-def measure(args: list[str]) -> dict:
+def measure(args: list[str], cap_x: float) -> dict:
     load = os.getloadavg()[0]
-    start = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run([sys.executable, "-m", "halfsafe.cli", *args], capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
-    if proc.returncode != 0:
-        raise SystemExit(f"halfsafe {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
-    return {"command": "halfsafe " + " ".join(args), "wall_s": round(wall, 1), "peak_rss_bytes": rss,
-            "rss_vs_fp32": round(rss / FP32_BYTES, 2), "load_average_before": load,
-            "rss_is_lower_bound_of_earlier_child": rss == before * 1024}
+    r = run_capped(int(cap_x * FP32_BYTES), [sys.executable, "-m", "halfsafe.cli", *args])
+    if r["exit"] != 0:
+        print(f"halfsafe {' '.join(args)}: exit {r['exit']} under a cap of {cap_x}x", file=sys.stderr)
+    return {"command": "halfsafe " + " ".join(args), "cap_x": cap_x, "exit": r["exit"], "wall_s": r["wall_s"],
+            "peak_rss_bytes": int(r["peak_rss_gb"] * 1e9), "rss_vs_fp32": round(r["peak_rss_gb"] * 1e9 / FP32_BYTES, 2),
+            "cgroup_peak_gb": r["cgroup_peak_gb"], "load_average_before": load}
 
 
 def main() -> int:
@@ -47,20 +46,31 @@ def main() -> int:
     run = run_info()
     tmp = Path(tempfile.mkdtemp(prefix="halfsafe-cost-"))
     try:
-        # one command per process: ru_maxrss of RUSAGE_CHILDREN is the largest child so far, so the scan runs first
-        rows = [measure(["scan", "gemma3-270m", "--fp16-check"])]
-        rows.append(measure(["convert", "gemma3-270m", str(tmp / "out")]))
+        rows = [measure(["scan", "gemma3-270m", "--fp16-check"], LOOSE),
+                measure(["convert", "gemma3-270m", str(tmp / "streamed")], 1.0),
+                measure(["convert", "gemma3-270m", str(tmp / "whole"), "--whole"], LOOSE),
+                measure(["demo", "--out", str(tmp / "demo")], 1.5)]
+        same = filecmp.cmp(tmp / "streamed/model.safetensors", tmp / "whole/model.safetensors", shallow=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    md = ["| command | wall time | peak RSS | vs the 1.07 GB fp32 model | load average before |", "|---|---:|---:|---:|---:|"]
+    md = ["| command | hard cap (x fp32) | exit | wall time | peak RSS | vs the 1.07 GB fp32 model | load average before |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        md.append(f"| `{r['command'].replace(str(tmp / 'out'), 'OUT')}` | {r['wall_s']:.0f} s | {r['peak_rss_bytes'] / 1e9:.2f} GB | "
-                  f"{r['rss_vs_fp32']:.2f}x | {r['load_average_before']:.1f} |")
+        cap = "none" if r["cap_x"] == LOOSE else f"{r['cap_x']:.1f}x ({r['cap_x'] * FP32_BYTES / 1e9:.2f} GB)"
+        command = r["command"]
+        for name in ("streamed", "whole", "demo"):
+            command = command.replace(str(tmp / name), "OUT")
+        md.append(f"| `{command}` | {cap} | "
+                  f"{r['exit']} | {r['wall_s']:.0f} s | {r['peak_rss_bytes'] / 1e9:.2f} GB | {r['rss_vs_fp32']:.2f}x | "
+                  f"{r['load_average_before']:.1f} |")
+    convert, whole = rows[1], rows[2]
     md.append("")
+    md.append(f"Block by block vs whole model: {convert['wall_s'] / whole['wall_s']:.2f}x the time; the two "
+              f"`model.safetensors` are {'byte-identical' if same else 'DIFFERENT'}.")
     md.append(f"Gemma 3 270M fixture, default calibration (8 x 512 tokens), {run['cpu_cores']} cores ({run['cpu']}). "
               f"Command: `python bench/cost.py` at commit {run['git_commit']}.")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cost.json").write_text(json.dumps({"run": run, "rows": rows}, indent=2) + "\n")
+    (RESULTS / "cost.json").write_text(json.dumps({"run": run, "rows": rows, "outputs_identical": same}, indent=2) + "\n")
     (RESULTS / "cost.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
