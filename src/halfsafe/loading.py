@@ -40,7 +40,12 @@ class LoadedModel:
             return lambda: kept
         folder, self.tokenizer = self.folder, None
         return_freed_memory()
-        return lambda: _load_tokenizer(folder)
+
+        def reload():
+            return_freed_memory()  # what the work in between freed, before the tokenizer's load peak
+            return _load_tokenizer(folder)
+
+        return reload
 
 
 def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, stream: bool = False,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 
-def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
     """KL(ref || other) per position, in nats, computed in float64 a few positions at a time (a 262k
     vocabulary makes each position 2 MB in float64). inf/NaN logits give NaN."""
     vocab = ref_logits.shape[-1]

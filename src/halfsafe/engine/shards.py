@@ -20,7 +20,7 @@ from ..errors import HalfsafeError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
-READ_BYTES = 64 << 20  # a tensor larger than this (as stored) is read in blocks of rows this size
+READ_BYTES = 32 << 20  # a tensor larger than this (as stored) is read in blocks of rows this size
 
 
 class Shards:
