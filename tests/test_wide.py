@@ -145,7 +145,14 @@ def test_a_wide_weight_reports_its_parameters_shape_and_falls_back_to_the_whole(
     p = dict(whole.named_parameters())[name]
     assert isinstance(w, WideWeight) and w.shape == p.shape and w.dtype == torch.float32 and w.dim() == 2
     assert torch.equal(w * 2, p.detach() * 2), "any other use computes with the whole matrix"
-    assert torch.equal(w[5], p.detach()[5])
+    assert torch.equal(w[2:4], p.detach()[2:4])
+    whole = WideWeight.whole
+    WideWeight.whole = lambda self: (_ for _ in ()).throw(AssertionError("one row loads one row"))
+    try:
+        for index in (5, -1, (7, slice(None))):
+            assert torch.equal(w[index], p.detach()[index]), index
+    finally:
+        WideWeight.whole = whole
     s.set_rescale({})
     s.cache_bytes = 10**9
     assert not isinstance(s.tensor(name), WideWeight), "a tensor the cache may hold is loaded whole"

@@ -9,7 +9,7 @@ rows: lookups are the whole tensor's bit for bit, and so are products, as far as
 output feature the same way whatever the number of features beside it. Chunks are a power of two rows long, where
 that held for every case measured on CPU (tests compare), except a single token's fp32 product with a vocabulary of
 odd size (GPT-2's 50257), which differs in the last bit of some logits, as a different thread count can. Any other
-use (an index into it, a product with it outside `linear`) gets the whole tensor, loaded for that call only:
+use (a product outside `linear`, an index other than one row) gets the whole tensor, loaded for that call only:
 always correct, never light.
 """
 
@@ -64,6 +64,9 @@ class WideWeight(torch.Tensor):
             return _embedding(args[0], args[1])
         if func is F.linear and isinstance(_arg(args, 1, kwargs.get("weight")), WideWeight) and not isinstance(args[0], WideWeight):
             return _linear(args[0], _arg(args, 1, kwargs.get("weight")), _arg(args, 2, kwargs.get("bias")))
+        row = _one_row(func, args)
+        if row is not None:  # weight[i] or weight[i, :] (Gemma 4 reads the pad token's row on every forward)
+            return args[0].source.gather(args[0].param, torch.tensor([row]))[0]
         args, kwargs = tree_map(_whole, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -82,6 +85,18 @@ def _is_metadata(func) -> bool:
     if name in ("__get__", "__set__"):
         name = getattr(getattr(func, "__self__", None), "__name__", "")
     return name in _METADATA
+
+
+def _one_row(func, args: tuple) -> int | None:
+    """The row `weight[i]` / `weight[i, :]` asks for (negative i counted from the end), else None."""
+    if func is not torch.Tensor.__getitem__ or len(args) != 2 or not isinstance(args[0], WideWeight):
+        return None
+    index = args[1]
+    if isinstance(index, tuple) and len(index) == 2 and index[1] == slice(None):
+        index = index[0]
+    if isinstance(index, bool) or not isinstance(index, int) or not -args[0].shape[0] <= index < args[0].shape[0]:
+        return None
+    return index % args[0].shape[0]
 
 
 def _whole(x):
