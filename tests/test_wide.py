@@ -22,7 +22,7 @@ from halfsafe.groups import expand
 from halfsafe.loading import load_model
 from halfsafe.precision import in_dtype
 from halfsafe.rewrite import apply_exponents_, trial
-from tests.tiny import TINY, random_exponents, save_tiny, tiny_ids
+from tests.tiny import TINY, make_tiny, random_exponents, save_tiny, tiny_ids
 
 STREAMABLE = sorted(k for k in TINY if k not in {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"})
 
@@ -89,17 +89,21 @@ def test_an_embedding_lookup_reads_only_the_rows_it_needs(tmp_path):
 
 
 def test_shards_read_rows_and_lists_of_rows_as_the_whole(tmp_path, monkeypatch):
-    save_tiny("llama", tmp_path)
-    s = streamed_of(load_model(tmp_path, stream=True).model).shards
+    from halfsafe.engine.shards import Shards
+
+    make_tiny("llama").to(torch.bfloat16).save_pretrained(tmp_path)  # stored in bf16, read in float32 or as stored
+    s = Shards(tmp_path)
     key = next(k for k in s.keys() if "embed" in k)
+    assert s.dtype(key) == torch.bfloat16
     whole = s.load(key, torch.float32)
     assert torch.equal(s.load_rows(key, 5, 40, torch.float32), whole[5:40])
     rows = torch.tensor([0, 1, 2, 4, 9, 10, 12, 200, 255])  # runs, single rows, and rows two apart
     assert torch.equal(s.load_index(key, rows, torch.float32), whole[rows])
     assert s.load_index(key, torch.tensor([], dtype=torch.long), torch.float32).shape == (0, whole.shape[1])
     monkeypatch.setattr(shards_module, "READ_BYTES", 1000)  # a large tensor is read in blocks of rows
-    assert torch.equal(s.load(key, torch.float32), whole)
-    assert torch.equal(s.load(key), whole.to(s.dtype(key)))
+    for dtype in (torch.float32, None, torch.float16):
+        got = s.load(key, dtype)
+        assert got.dtype == (dtype or torch.bfloat16) and torch.equal(got, whole.to(got.dtype)), dtype
 
 
 def test_wide_weights_write_the_same_bytes_as_the_whole_model(tmp_path, small_chunks):
@@ -156,3 +160,26 @@ def test_a_wide_weight_reports_its_parameters_shape_and_falls_back_to_the_whole(
     s.set_rescale({})
     s.cache_bytes = 10**9
     assert not isinstance(s.tensor(name), WideWeight), "a tensor the cache may hold is loaded whole"
+
+
+def test_functional_calls_by_keyword_and_the_fallbacks(tmp_path, small_chunks):
+    import torch.nn.functional as F
+
+    save_tiny("llama", tmp_path)
+    whole = dict(load_model(tmp_path).model.named_parameters())
+    s = streamed_of(load_model(tmp_path, stream=True).model)
+    s.wide_bytes = 0
+    up, embed = s.tensor("model.layers.0.mlp.up_proj.weight"), s.tensor("model.embed_tokens.weight")
+    p_up, p_embed = whole["model.layers.0.mlp.up_proj.weight"].detach(), whole["model.embed_tokens.weight"].detach()
+    assert up.shape[0] > 32, "several chunks"
+    x, ids, bias = torch.randn(2, 5, up.shape[1]), torch.tensor([[1, 9, 9, 4]]), torch.randn(up.shape[0])
+    loaded = s.loads
+    assert torch.equal(F.linear(x, weight=up), F.linear(x, p_up))
+    assert torch.equal(F.linear(input=x, weight=up, bias=bias), F.linear(x, p_up, bias))
+    assert torch.equal(F.embedding(input=ids, weight=embed), F.embedding(ids, p_embed))
+    assert s.loads - loaded == up.shape[0] // 32 * 2 + 1, "chunks and one lookup, nothing whole"
+    assert torch.equal(F.embedding(ids, embed, max_norm=0.1), F.embedding(ids, p_embed.clone(), max_norm=0.1)), \
+        "max_norm renormalises rows in place: computed on the whole matrix"
+    assert up.size(dim=1) == p_up.size(1) and len(up) == len(p_up) and up.dim() == 2 and up.is_floating_point()
+    with torch._C.DisableTorchFunctionSubclass():  # an op that reaches dispatch computes with the whole matrix
+        assert torch.equal(torch.add(up, 1), p_up + 1)

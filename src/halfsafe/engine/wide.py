@@ -60,10 +60,11 @@ class WideWeight(torch.Tensor):
         if _is_metadata(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func is F.embedding and isinstance(args[1], WideWeight) and kwargs.get("max_norm", _arg(args, 3)) is None:
-            return _embedding(args[0], args[1])
-        if func is F.linear and isinstance(_arg(args, 1, kwargs.get("weight")), WideWeight) and not isinstance(args[0], WideWeight):
-            return _linear(args[0], _arg(args, 1, kwargs.get("weight")), _arg(args, 2, kwargs.get("bias")))
+        first, weight = _arg(args, 0, kwargs.get("input")), _arg(args, 1, kwargs.get("weight"))
+        if func is F.embedding and isinstance(weight, WideWeight) and kwargs.get("max_norm", _arg(args, 3)) is None:
+            return _embedding(first, weight)  # (max_norm renormalises rows in place: whole, below)
+        if func is F.linear and isinstance(weight, WideWeight) and not isinstance(first, WideWeight):
+            return _linear(first, weight, _arg(args, 2, kwargs.get("bias")))
         row = _one_row(func, args)
         if row is not None:  # weight[i] or weight[i, :] (Gemma 4 reads the pad token's row on every forward)
             return args[0].source.gather(args[0].param, torch.tensor([row]))[0]
