@@ -153,10 +153,12 @@ def test_a_wide_weight_reports_its_parameters_shape_and_falls_back_to_the_whole(
     whole = WideWeight.whole
     WideWeight.whole = lambda self: (_ for _ in ()).throw(AssertionError("one row loads one row"))
     try:
-        for index in (5, -1, (7, slice(None))):
+        for index in (5, -1, (7, slice(None)), w.shape[0] - 1, -w.shape[0]):
             assert torch.equal(w[index], p.detach()[index]), index
     finally:
         WideWeight.whole = whole
+    with pytest.raises(IndexError):
+        w[w.shape[0]]  # past the end: torch's own error, from the whole matrix
     s.set_rescale({})
     s.cache_bytes = 10**9
     assert not isinstance(s.tensor(name), WideWeight), "a tensor the cache may hold is loaded whole"
@@ -180,6 +182,7 @@ def test_functional_calls_by_keyword_and_the_fallbacks(tmp_path, small_chunks):
     assert s.loads - loaded == up.shape[0] // 32 * 2 + 1, "chunks and one lookup, nothing whole"
     assert torch.equal(F.embedding(ids, embed, max_norm=0.1), F.embedding(ids, p_embed.clone(), max_norm=0.1)), \
         "max_norm renormalises rows in place: computed on the whole matrix"
+    assert torch.equal(F.embedding(ids, embed, None, 0.1), F.embedding(ids, p_embed.clone(), None, 0.1)), "max_norm given by position"
     assert up.size(dim=1) == p_up.size(1) and len(up) == len(p_up) and up.dim() == 2 and up.is_floating_point()
     with torch._C.DisableTorchFunctionSubclass():  # an op that reaches dispatch computes with the whole matrix
         assert torch.equal(torch.add(up, 1), p_up + 1)

@@ -61,7 +61,8 @@ class WideWeight(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         first, weight = _arg(args, 0, kwargs.get("input")), _arg(args, 1, kwargs.get("weight"))
-        if func is F.embedding and isinstance(weight, WideWeight) and kwargs.get("max_norm", _arg(args, 3)) is None:
+        # F.embedding hands its options over by name
+        if func is F.embedding and isinstance(weight, WideWeight) and kwargs.get("max_norm") is None:
             return _embedding(first, weight)  # (max_norm renormalises rows in place: whole, below)
         if func is F.linear and isinstance(weight, WideWeight) and not isinstance(first, WideWeight):
             return _linear(first, weight, _arg(args, 2, kwargs.get("bias")))
