@@ -123,7 +123,7 @@ def test_wide_weights_write_the_same_bytes_as_the_whole_model(tmp_path, small_ch
 
 
 def test_weights_read_in_blocks_of_rows_are_the_whole_value(tmp_path, monkeypatch):
-    monkeypatch.setattr("halfsafe.engine.streamed.READ_BYTES", 2000)
+    monkeypatch.setattr(shards_module, "READ_BYTES", 2000)
     save_tiny("gemma3_text", tmp_path)
     whole = load_model(tmp_path).model
     streamed = load_model(tmp_path, stream=True).model

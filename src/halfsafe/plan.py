@@ -65,7 +65,7 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
     return out
 
 
-def _weight_constraint(site: str, t: torch.Tensor, entries: list) -> list[Constraint]:
+def _weight_constraint(site: str, t, entries: list) -> list[Constraint]:
     powers: dict[str, float] = {}
     for g, m in entries:
         powers[g] = powers.get(g, 0) + m.power

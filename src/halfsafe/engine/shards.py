@@ -81,9 +81,8 @@ class Shards:
         stored = self.dtype(key)
         if len(shape) >= 2 and math.prod(shape) * stored.itemsize > READ_BYTES:
             out = torch.empty(shape, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
-            step = max(1, READ_BYTES // (math.prod(shape[1:]) * stored.itemsize))
-            for a in range(0, shape[0], step):
-                out[a:a + step] = self.load_rows(key, a, min(a + step, shape[0]), out.dtype)
+            for a, b in row_spans(shape[0], rows_per_read(shape, stored.itemsize)):
+                out[a:b] = self.load_rows(key, a, b, out.dtype)
             return out
         if self._stack is not None:
             f = self._open.get(name)
@@ -113,6 +112,16 @@ class Shards:
         if not parts:
             return torch.empty((0, *self.shape(key)[1:]), dtype=dtype or self.dtype(key))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def row_spans(n: int, step: int) -> list[tuple[int, int]]:
+    """[start, stop) spans of `step` rows covering `n` rows (the last may be shorter)."""
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def rows_per_read(shape, itemsize: int) -> int:
+    """Rows of a tensor of `shape` in one READ_BYTES block at `itemsize` bytes an element (at least one)."""
+    return max(1, READ_BYTES // (math.prod(shape[1:]) * itemsize))
 
 
 def _owned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

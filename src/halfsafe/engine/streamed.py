@@ -13,7 +13,6 @@ computed afresh from the stored values each time, so trying and undoing a plan l
 
 from __future__ import annotations
 
-import math
 import re
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from ..errors import HalfsafeError
 from ..layers import find_blocks
 from ..precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
 from ..sites import Hooks
-from .shards import READ_BYTES, Shards
+from .shards import Shards, row_spans, rows_per_read
 from .wide import WideWeight
 
 STREAMED_ATTR = "_halfsafe_streamed"
@@ -111,10 +110,14 @@ class Streamed:
         """A matrix bigger than `wide_bytes` (and than what the cache may hold) is read a slice at a time, when its
         rescales act on every element alike (a rescale of some rows or columns needs the whole tensor)."""
         shape = self.shards.shape(self.key_of[name])
-        if len(shape) != 2 or any(select is not None for _, _, select in self.rescale.get(name, ())):
+        if len(shape) != 2 or not self.rescaled_alike(name):
             return False
         size = shape[0] * shape[1] * torch.empty((), dtype=self._dtype_of(name)).element_size()
         return size > max(self.wide_bytes, self.cache_bytes)
+
+    def rescaled_alike(self, name: str) -> bool:
+        """Every rescale of `name` acts on each element alike, so any block of its rows can be rescaled on its own."""
+        return all(select is None for _, _, select in self.rescale.get(name, ()))
 
     def original(self, name: str) -> torch.Tensor:
         """The stored parameter in float32, untouched by any rescale (for measuring weights)."""
@@ -354,13 +357,13 @@ class _Weights(dict):
         """The same value a block of rows at a time (a 262k-token embedding is 0.7 GB in float32)."""
         from ..rewrite import rescaled
 
-        shape, entries = self._s.shards.shape(self._s.key_of[name]), self._s.rescale.get(name, ())
-        if len(shape) < 2 or any(select is not None for _, _, select in entries):
+        key = self._s.key_of[name]
+        shape = self._s.shards.shape(key)
+        if len(shape) < 2 or not self._s.rescaled_alike(name):
             yield self[name]
             return
-        step = max(1, READ_BYTES // (math.prod(shape[1:]) * 4))
-        for a in range(0, shape[0], step):
-            yield rescaled(self._s.shards.load_rows(self._s.key_of[name], a, min(a + step, shape[0]), torch.float32), entries)
+        for a, b in row_spans(shape[0], rows_per_read(shape, 4)):  # float32
+            yield rescaled(self._s.shards.load_rows(key, a, b, torch.float32), self._s.rescale.get(name, ()))
 
 
 def value_blocks(values, name: str):

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from .shards import row_spans
+
 CHUNK_BYTES = 32 << 20  # rows read and multiplied at once by `linear`
 MIN_CHUNK_ROWS = 256
 
@@ -114,9 +116,8 @@ def _embedding(ids: torch.Tensor, weight: WideWeight) -> torch.Tensor:
 def _linear(x: torch.Tensor, weight: WideWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, a chunk of output features at a time, each written into its place in one output."""
     out = None
-    n, step = weight.shape[0], weight.chunk_rows()
-    for start in range(0, n, step):
-        stop = min(n, start + step)
+    n = weight.shape[0]
+    for start, stop in row_spans(n, weight.chunk_rows()):
         part = F.linear(x, weight.rows(start, stop), None if bias is None else _whole(bias)[start:stop])
         if out is None:
             out = torch.empty((*part.shape[:-1], n), dtype=part.dtype, device=part.device)

@@ -18,6 +18,7 @@ from rich.progress import Progress
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import HalfsafeError
+from .shards import row_spans
 from .streamed import Streamed, saved_name
 
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
@@ -85,12 +86,10 @@ def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: to
     if name in params:
         if streamed._is_wide(name):
             wide = streamed.tensor(name)
-            n, step = wide.shape[0], wide.chunk_rows()
-            parts = (streamed.rows(name, a, min(a + step, n)) for a in range(0, n, step))
+            parts = (streamed.rows(name, a, b) for a, b in row_spans(wide.shape[0], wide.chunk_rows()))
         else:
             with streamed.shards:
                 parts = [streamed.tensor(name)]
-            streamed._cache.clear()
     else:
         parts = [buffers[name]]
     for t in parts:
