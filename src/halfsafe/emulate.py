@@ -1,0 +1,195 @@
+"""Run a transformers model under a runtime profile's arithmetic (halfsafe.runtimes), on CPU, by patching it.
+
+- RMSNorm-type norms (any module whose class name ends in "RMSNorm", or T5's "LayerNorm" that is no nn.LayerNorm):
+  inside their forward, the statistic chain the modeling code writes (`x.pow(2)` / `x.square()`, `.mean(-1)`,
+  `+ eps`, `torch.rsqrt` / `torch.pow(., -0.5)`) is computed in float16 (arith16); everything else in the norm
+  (the `x * rsqrt`, the gain, its `1 + w`) stays as the modeling code computes it. A norm whose forward ran without
+  such a mean is an error: its statistic would silently not be emulated.
+- nn.LayerNorm (and F.layer_norm called inside a norm): arith16.layer_norm16, decomposed in float16.
+- nn.Linear and GPT-2's Conv1D: arith16.matmul16 (float16 accumulation over runs of `matmul_chunk`), bias in fp16.
+- attention: a registered attention function (eager masks) doing QK^T and PV as the linears do, the scale, softcap,
+  mask and softmax in float16.
+
+The `torch` profile patches nothing. Fused MoE experts and embeddings keep PyTorch's arithmetic.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from . import arith16
+from .errors import HalfsafeError
+from .runtime import RuntimeHandle
+from .runtimes import RuntimeProfile, get_profile
+
+ATTENTION_NAME = "halfsafe_fp16"
+
+
+def is_rms_norm(m: nn.Module) -> bool:
+    name = type(m).__name__
+    return not isinstance(m, nn.LayerNorm) and (name.endswith("RMSNorm") or name == "T5LayerNorm")
+
+
+def is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
+class NormStats16(TorchFunctionMode):
+    """Inside one norm's forward: the square, its mean over the last dim, + eps and the inverse square root in
+    float16. Tensors that descend from the square are tracked by id, so other arithmetic (Gemma's `1 + w`) is left
+    alone. `layernorm`: F.layer_norm calls become arith16.layer_norm16."""
+
+    def __init__(self, rms: bool, layernorm: bool, lanes: int) -> None:
+        super().__init__()
+        self.rms, self.layernorm, self.lanes = rms, layernorm, lanes
+        self.tracked: set[int] = set()
+        self.means = 0
+        self.layer_norms = 0
+
+    def _mark(self, t: torch.Tensor) -> torch.Tensor:
+        self.tracked.add(id(t))
+        return t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self.layernorm and func is F.layer_norm:
+            self.layer_norms += 1
+            x, shape = args[0], args[1]
+            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
+            eps = kwargs.get("eps", args[4] if len(args) > 4 else 1e-5)
+            if len(shape) != 1:
+                raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
+            return arith16.layer_norm16(x, weight, bias, eps, self.lanes).to(x.dtype)
+        if not self.rms:
+            return func(*args, **kwargs)
+        tracked = [a for a in args if isinstance(a, torch.Tensor) and id(a) in self.tracked]
+        if (name in ("pow", "__pow__") and len(args) > 1 and args[1] == 2) or name == "square":
+            out = func(*args, **kwargs)
+            return self._mark(arith16.r16(out.float()).to(out.dtype))
+        if name == "mean" and tracked:
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if dim not in (-1, x.dim() - 1, [-1], (-1,)):
+                return func(*args, **kwargs)
+            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            out = arith16.mean16(x.float(), self.lanes)
+            self.means += 1
+            return self._mark((out.unsqueeze(-1) if keepdim else out).to(x.dtype))
+        if tracked and name in ("add", "__add__", "__radd__") and any(isinstance(a, (int, float)) for a in args):
+            eps = next(a for a in args if isinstance(a, (int, float)))
+            return self._mark(arith16.r16(tracked[0].float() + arith16.scalar16(eps)).to(tracked[0].dtype))
+        if tracked and (name == "rsqrt" or (name == "pow" and len(args) > 1 and args[1] == -0.5)):
+            out = func(*args, **kwargs)
+            return arith16.r16(out.float()).to(out.dtype)
+        return func(*args, **kwargs)
+
+
+def _norm_forward(original, profile: RuntimeProfile, rms: bool):
+    def forward(self, *args, **kwargs):
+        mode = NormStats16(rms and profile.rms_stats_fp16, profile.layernorm_fp16, profile.lanes)
+        with mode:
+            out = original(*args, **kwargs)
+        if rms and profile.rms_stats_fp16 and mode.means == 0:
+            raise HalfsafeError(f"{type(self).__name__} computed its statistic without `.mean(-1)` of a square: the "
+                                "float16 emulation cannot follow it (halfsafe.emulate)")
+        return out
+
+    return forward
+
+
+def _linear_forward(profile: RuntimeProfile):
+    from .engine.wide import WideWeight
+
+    def forward(self, x):
+        w = self.weight
+        if type(self).__name__ == "Conv1D":
+            w = w.t()
+        if isinstance(w, WideWeight):  # a streamed matrix too big to hold: its output rows a chunk at a time
+            step = w.chunk_rows()
+            y = torch.cat([arith16.matmul16(x, w.rows(s, min(s + step, w.shape[0])), profile.matmul_chunk)
+                           for s in range(0, w.shape[0], step)], dim=-1)
+        else:
+            y = arith16.matmul16(x, w, profile.matmul_chunk)
+        if self.bias is not None:
+            y = arith16.r16(y + arith16.r16(self.bias.float()))
+        return y.to(x.dtype)
+
+    return forward
+
+
+def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, lanes=64,
+                chunk=32, **kwargs):
+    """Eager attention (as transformers' eager_attention_forward), every step in float16."""
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    b, h, q, d = query.shape
+    qf, kf, vf = (arith16.r16(t.float()) for t in (query, key, value))
+    logits = torch.stack([arith16.matmul16(qf[i, j], kf[i, j], chunk) for i in range(b) for j in range(h)])
+    logits = arith16.r16(logits.reshape(b, h, q, -1) * arith16.scalar16(scaling))
+    if softcap is not None:
+        cap = arith16.scalar16(softcap)
+        logits = arith16.r16(arith16.r16(torch.tanh(arith16.r16(logits / cap))) * cap)
+    if attention_mask is not None:
+        logits = arith16.r16(logits + arith16.r16(attention_mask[..., : key.shape[-2]].float()))
+    probs = arith16.softmax16(logits, lanes)
+    out = torch.stack([arith16.matmul16(probs[i, j], vf[i, j].t(), chunk) for i in range(b) for j in range(h)])
+    out = out.reshape(b, h, q, d).transpose(1, 2).contiguous().to(query.dtype)
+    return out, probs.to(query.dtype)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION_NAME, attention16)
+    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+
+
+def _configs(model: nn.Module):
+    seen = []
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if c is not None and hasattr(c, "_attn_implementation") and all(c is not s for s in seen):
+            seen.append(c)
+    return seen
+
+
+def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> RuntimeHandle:
+    """Patch `model` to compute what `profile` puts in float16; `handle.remove()` (or leaving `with handle:`)
+    restores it. Meant for a float16 model (the intermediate quantities are then float16 values)."""
+    profile = get_profile(profile)
+    handle = RuntimeHandle()
+    if profile.is_torch:
+        return handle
+    try:
+        for m in model.modules():
+            rms = is_rms_norm(m)
+            if profile.norm_stats_fp16 and (rms or isinstance(m, nn.LayerNorm)):
+                if rms and not profile.rms_stats_fp16:
+                    continue
+                m.forward = types.MethodType(_norm_forward(type(m).forward.__get__(m), profile, rms), m)
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
+            elif profile.matmul_chunk and is_linear(m):
+                m.forward = types.MethodType(_linear_forward(profile), m)
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
+        if profile.attention_fp16:
+            _register_attention()
+            for c in _configs(model):
+                before = c._attn_implementation
+                c._attn_implementation = ATTENTION_NAME
+                handle.add_undo(lambda c=c, before=before: setattr(c, "_attn_implementation", before))
+    except BaseException:
+        handle.remove()
+        raise
+    return handle

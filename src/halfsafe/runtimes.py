@@ -1,0 +1,81 @@
+"""Runtime profiles: which intermediate quantities a runtime computes in float16, as data.
+
+halfsafe's checkpoints are made for PyTorch's arithmetic: transformers computes norm statistics in float32 and
+matrix products accumulate in float32; only the tensors between ops are float16. Runtimes without bfloat16 compute
+more in float16. A profile names exactly what; `halfsafe.emulate` computes it on CPU (arith16), `scan --runtime`
+measures the quantities it puts in float16, `verify --runtime` runs it, `convert --runtime` refuses a checkpoint that
+breaks under it. The kernels each profile follows, read at the commits named:
+
+- microsoft/onnxruntime `onnxruntime/contrib_ops/webgpu/quantization/matmul_nbits.wgsl.template` (commit 12e917d):
+  line 21 declares `inter_results: array<array<output_element_t, tile_size_k_vec>, tile_size>`, the per-lane
+  partial sums in the *output* element type (float16 for a float16 model); each lane's `var sum = output_element_t(0)`
+  is a float16 dot product over its run of K (32 values for 4-bit weights in vec4<u32>), added by
+  `inter_results[...][idx] += sum` into the running float16 sum across K tiles, and the lanes are summed by
+  `output_value += inter_results[local_idx][b]`, float16 again.
+- microsoft/onnxruntime `onnxruntime/core/providers/webgpu/reduction/reduction_ops.cc` (commit 076cc6c),
+  `ReduceSharedProgram::GenerateShaderCode`: `var bestValue : _A_value_t` (the input's element type) accumulates
+  elements k = local_idx, local_idx + workgroup_size, ... and ReduceMean divides by `output_element_t(reduceSize)`:
+  a ReduceMean over a float16 `Pow(x, 2)` sums squares in float16 (what `arith16.sum16` emulates).
+- The same repository's fused `LayerNormalization` / `SimplifiedLayerNormalization` WebGPU kernel
+  (`onnxruntime/core/providers/webgpu/nn/layer_norm.cc`, commit 007a78e) does *not*: `sum_squared_shared` is
+  `array<f32, ...>`; only `x_element_t(inv_std_dev)` returns to float16. So the norm-statistics profiles describe
+  graphs whose norms are *decomposed* into Pow/ReduceMean/Sqrt/Div ops with float16 inputs (an fp16 conversion that
+  also turns the graph's own float32 casts into float16), and on-device engines whose RMSNorm kernels sum squares
+  in float16; not ORT WebGPU's fused norm op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import HalfsafeError
+
+DEFAULT = "torch"
+
+
+@dataclass(frozen=True)
+class RuntimeProfile:
+    name: str
+    summary: str
+    rms_stats_fp16: bool = False  # RMSNorm-type norms: x^2, its mean, + eps and rsqrt in float16
+    layernorm_fp16: bool = False  # LayerNorm: ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add in float16
+    matmul_chunk: int | None = None  # linear layers: dot products of runs of this many k rounded to fp16, summed in fp16
+    attention_fp16: bool = False  # QK^T (accumulated as the linears), scale, mask, softmax and PV in float16
+    lanes: int = 64  # float16 reductions: this many strided running sums, then a pairwise tree (reduction_ops.cc)
+
+    @property
+    def is_torch(self) -> bool:
+        """Computes what PyTorch computes: nothing to emulate."""
+        return not (self.rms_stats_fp16 or self.layernorm_fp16 or self.matmul_chunk or self.attention_fp16)
+
+    @property
+    def norm_stats_fp16(self) -> bool:
+        return self.rms_stats_fp16 or self.layernorm_fp16
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "summary": self.summary, "rms_stats_fp16": self.rms_stats_fp16,
+                "layernorm_fp16": self.layernorm_fp16, "matmul_chunk": self.matmul_chunk,
+                "attention_fp16": self.attention_fp16, "lanes": self.lanes}
+
+
+PROFILES = {p.name: p for p in (
+    RuntimeProfile("torch", "PyTorch / transformers: norm statistics and matmul sums in float32 (today's guarantee)"),
+    RuntimeProfile("fp16-norm-stats", "norm statistics in float16: RMSNorm's x^2, mean, + eps, rsqrt; LayerNorm "
+                   "decomposed (ReduceMean, Sub, Pow, ...) in float16", rms_stats_fp16=True, layernorm_fp16=True),
+    RuntimeProfile("layernorm-decomposed", "LayerNorm only, decomposed into float16 ReduceMean, Sub, Pow, ReduceMean, "
+                   "Add, Sqrt, Div (Whisper on WebGPU); RMSNorm as PyTorch", layernorm_fp16=True),
+    RuntimeProfile("fp16-accumulate", "linear layers accumulate in float16: runs of 32 products, running float16 sum "
+                   "(ONNX Runtime WebGPU MatMulNBits)", matmul_chunk=32),
+    RuntimeProfile("all-fp16", "fp16-norm-stats and fp16-accumulate, plus attention logits, softmax and PV in float16",
+                   rms_stats_fp16=True, layernorm_fp16=True, matmul_chunk=32, attention_fp16=True),
+)}
+
+
+def get_profile(name: "str | RuntimeProfile | None") -> RuntimeProfile:
+    """The profile named `name` (None: torch); a one-line error listing the profiles otherwise."""
+    if isinstance(name, RuntimeProfile):
+        return name
+    profile = PROFILES.get(name or DEFAULT)
+    if profile is None:
+        raise HalfsafeError(f"unknown runtime profile {name!r}: choose one of {', '.join(PROFILES)}")
+    return profile
