@@ -1,0 +1,166 @@
+"""Runtime profiles and their float16 emulation: hand-computed cases, real transformers norm modules, tiny models."""
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from halfsafe import arith16
+from halfsafe.emulate import attention16, emulate_runtime
+from halfsafe.errors import HalfsafeError
+from halfsafe.precision import cast_copy
+from halfsafe.runtimes import PROFILES, get_profile
+from tiny import make_tiny, tiny_ids
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+INF = float("inf")
+
+
+def test_profiles_are_data_and_unknown_names_fail():
+    assert set(PROFILES) == {"torch", "fp16-norm-stats", "layernorm-decomposed", "fp16-accumulate", "all-fp16"}
+    assert get_profile(None).is_torch and get_profile("torch").is_torch
+    assert not any(PROFILES[p].is_torch for p in PROFILES if p != "torch")
+    assert PROFILES["all-fp16"].matmul_chunk == 32 and PROFILES["all-fp16"].attention_fp16
+    with pytest.raises(HalfsafeError, match="choose one of torch, fp16-norm-stats"):
+        get_profile("webgpu")
+
+
+def test_float16_sums_by_hand():
+    assert float(arith16.sum16(torch.tensor([60000.0, 10000.0]))) == INF  # 70000 > 65504
+    # 2048 + 1 is a tie between 2048 and 2050; ties go to the even 2048, so adding 1s one at a time never moves it
+    assert float(arith16.sum16(torch.tensor([2048.0, 1.0, 1.0]), lanes=1)) == 2048.0
+    assert float(torch.tensor([2048.0, 1.0, 1.0]).sum().half()) == 2050.0  # float32 accumulation, rounded once
+    # lanes: lane 0 adds 2048 + 1 -> 2048, lane 1 holds 1; the tree adds 2048 + 1 -> 2048 again
+    assert float(arith16.sum16(torch.tensor([2048.0, 1.0, 1.0]), lanes=2)) == 2048.0
+    assert float(arith16.sum16(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), lanes=4)) == 15.0
+    assert float(arith16.mean16(torch.tensor([[3.0, 5.0]]))[0]) == 4.0
+    assert float(arith16.sum16(torch.tensor([1.0, 2.0, 3.0]), lanes=3)) == 6.0  # odd lane count: the middle lane waits
+
+
+def test_squares_in_range_whose_sum_overflows_zero_the_row():
+    x = torch.full((1, 8), 100.0)  # each square 10000 fits, their sum 80000 does not: the mean is inf before / 8
+    assert float(arith16.rms_inv16(x, 1e-6)) == 0.0
+    assert float(torch.rsqrt((x * x).mean(-1))) == pytest.approx(0.01)  # float32 statistics
+
+
+def test_a_row_whose_squares_overflow_is_zeroed():
+    x = torch.zeros(1, 8)
+    x[0, 0] = 300.0  # 300^2 = 90000 > 65504: the square is inf, so is the mean, and rsqrt(inf) = 0
+    assert float(arith16.rms_inv16(x, 1e-6)) == 0.0
+    norm = LlamaRMSNorm(8, eps=1e-6).half()
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+    h = x.half()
+    assert abs(float(norm(h)[0, 0].detach()) - 8 ** 0.5) < 0.01  # PyTorch: fp32 statistics, 300 / (300 / sqrt(8))
+    with emulate_runtime(norm, "fp16-norm-stats"):
+        out = norm(h)
+    assert torch.equal(out, torch.zeros_like(h))  # finite and silently wrong
+    assert abs(float(norm(h)[0, 0]) - 8 ** 0.5) < 0.01  # restored
+
+
+def test_an_eps_that_rounds_to_zero_makes_nan():
+    assert arith16.scalar16(3.9e-9) == 0.0 and arith16.scalar16(1e-6) > 0
+    assert float(arith16.rms_inv16(torch.zeros(1, 4), 3.9e-9)) == INF
+    norm = Gemma3RMSNorm(4, eps=3.9e-9).half()
+    zeros = torch.zeros(1, 4, dtype=torch.float16)
+    assert torch.equal(norm(zeros), zeros)  # fp32: rsqrt(3.9e-9) is finite, 0 x finite = 0
+    with emulate_runtime(norm, "fp16-norm-stats"):
+        assert torch.isnan(norm(zeros)).all()  # rsqrt(0) = inf, 0 x inf = NaN
+
+
+def test_gemma3_norm_in_range_follows_the_hand_formula():
+    torch.manual_seed(0)
+    norm = Gemma3RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.1)
+    norm = norm.half()
+    x = (torch.randn(3, 16) * 20).half()
+    xf = x.float()
+    inv = arith16.r16(torch.rsqrt(arith16.r16(arith16.mean16(arith16.r16(xf * xf)) + arith16.scalar16(1e-6)))).unsqueeze(-1)
+    want = ((xf * inv) * (1.0 + norm.weight.float())).half()  # the rest as the modeling code computes it
+    with emulate_runtime(norm, "fp16-norm-stats"):
+        got = norm(x)
+    assert torch.equal(got, want)
+
+
+def test_a_norm_the_emulation_cannot_follow_is_an_error():
+    class OddRMSNorm(nn.Module):
+        def forward(self, x):
+            return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+    norm = OddRMSNorm()
+    with emulate_runtime(norm, "fp16-norm-stats"), pytest.raises(HalfsafeError, match="OddRMSNorm"):
+        norm(torch.ones(1, 4).half())
+
+
+def test_layernorm_decomposed_pow_overflow_leaves_the_bias():
+    ln = nn.LayerNorm(4).half()
+    with torch.no_grad():
+        ln.bias.copy_(torch.tensor([0.5, -0.5, 0.25, 0.0]))
+    x = torch.tensor([[400.0, 0.0, 0.0, 0.0]]).half()  # |x - mean| = 300 > 255.9: Pow overflows
+    plain = ln(x)
+    assert torch.isfinite(plain).all() and abs(float(plain[0, 0]) - 1.732 - 0.5) < 0.01
+    with emulate_runtime(ln, "layernorm-decomposed"):
+        out = ln(x)
+    assert torch.equal(out, ln.bias.detach()[None])
+    with emulate_runtime(ln, "fp16-accumulate"):  # no norm statistics in that profile
+        assert torch.equal(ln(x), plain)
+
+
+def test_linear_partial_sums_overflow_where_the_total_does_not():
+    lin = nn.Linear(128, 1, bias=False).half()
+    with torch.no_grad():
+        lin.weight.copy_(torch.cat([torch.full((64,), 1500.0), torch.full((64,), -1500.0)])[None])
+    x = torch.ones(1, 128, dtype=torch.float16)
+    assert float(lin(x)) == 0.0  # float32 accumulation: 32 x 1500 x 2 - ... = 0
+    with emulate_runtime(lin, "fp16-accumulate"):
+        assert float(lin(x)) == INF  # running sum 48000 + 48000 = 96000 -> inf, which no later chunk undoes
+    parts = torch.tensor([[2048.0, 1.0, 1.0]])
+    assert float(arith16.running16(parts)[0]) == 2048.0
+
+
+def test_torch_profile_is_no_patch_bit_for_bit():
+    model = make_tiny("gemma3_text")
+    half = cast_copy(model, torch.float16).eval()
+    ids = tiny_ids(model)
+    with torch.no_grad():
+        plain = half(input_ids=ids).logits
+        handle = emulate_runtime(half, "torch")
+        assert len(handle) == 0
+        with handle:
+            assert torch.equal(half(input_ids=ids).logits, plain)
+        with emulate_runtime(half, "all-fp16"):
+            patched = half(input_ids=ids).logits
+        assert not torch.equal(patched, plain) and torch.isfinite(patched).all()
+        assert torch.equal(half(input_ids=ids).logits, plain)  # every patch taken off
+    assert half.config._attn_implementation == model.config._attn_implementation
+
+
+@pytest.mark.parametrize("key", ["llama", "gemma3_text", "gpt2", "qwen3"])
+def test_every_profile_stays_close_on_small_activations(key):
+    model = make_tiny(key)
+    half = cast_copy(model, torch.float16).eval()
+    ids = tiny_ids(model)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        plain = float((half(input_ids=ids).logits.float() - ref).abs().max())
+        for name in PROFILES:
+            with emulate_runtime(half, name):
+                err = float((half(input_ids=ids).logits.float() - ref).abs().max())
+            assert err < 4 * plain + 1e-3, (name, err, plain)
+
+
+def test_attention16_matches_eager_softmax_attention():
+    torch.manual_seed(0)
+
+    class M:
+        head_dim, num_key_value_groups, training = 8, 1, False
+
+    q, k, v = (torch.randn(1, 2, 5, 8).half() for _ in range(3))
+    mask = torch.triu(torch.full((5, 5), -65504.0), 1)[None, None].half()
+    out, probs = attention16(M(), q, k, v, mask)
+    logits = (q.float() @ k.float().transpose(2, 3)) * 8 ** -0.5 + mask.float()
+    want = torch.softmax(logits, -1) @ v.float()
+    assert torch.allclose(out.float(), want.transpose(1, 2), atol=3e-3)
+    assert torch.equal(probs[0, 0, 0, 1:], torch.zeros(4, dtype=torch.float16))  # causal mask held
