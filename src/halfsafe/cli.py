@@ -39,6 +39,13 @@ def _write_json(path: str | None, data: dict) -> None:
         console.print(f"wrote {path}")
 
 
+def _runtime_option(p, what: str) -> None:
+    from .runtimes import DEFAULT, PROFILES
+
+    p.add_argument("--runtime", default=DEFAULT, choices=tuple(PROFILES), metavar="P",
+                   help=f"{what} under runtime profile P's float16 arithmetic ({', '.join(PROFILES)}; default {DEFAULT})")
+
+
 def _engine_options(p) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when torch sees a GPU): one block on it at a time")
     p.add_argument("--whole", action="store_true",
@@ -54,7 +61,7 @@ def cmd_scan(args) -> int:
     from .engine.device import resolve_device
 
     loaded = load_model(args.model, stream=not args.whole, device=resolve_device(args.device))
-    report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model)
+    report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime)
     scan_tables(report, console, top=args.top)
     _write_json(args.json, report.to_dict())
     if args.plot:
@@ -193,7 +200,7 @@ def cmd_verify(args) -> int:
         report = verify(
             args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
             seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens, progress=status.update,
-            device=device, stream=not args.whole,
+            device=device, stream=not args.whole, runtime=args.runtime,
         )
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())
@@ -224,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit")
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
     p.add_argument("--top", type=int, default=12, help="rows in the tightest-tensors table")
+    _runtime_option(p, "also measure what would overflow")
     _engine_options(p)
     p.set_defaults(func=cmd_scan)
 
@@ -302,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens generated from the start of each text (default 32; 0: none)")
     p.add_argument("--json", metavar="PATH", help="write every metric, per variant and per text, as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of KL per variant, and PATH-layers.png of per-layer peaks before/after")
+    _runtime_option(p, "also run fp16 and the converted checkpoint")
     _engine_options(p)
     p.set_defaults(func=cmd_verify)
     return parser

@@ -44,6 +44,30 @@ def scan_tables(report: ScanReport, console: Console, top: int = 12) -> None:
     if report.fp16_checked:
         where = report.first_nonfinite_fp16
         console.print(f"fp16 run: first non-finite output at [bold]{where}[/]" if where else "fp16 run: all outputs finite")
+    if report.runtime is not None:
+        runtime_table(report.runtime, console, top)
+
+
+def runtime_table(rt, console: Console, top: int = 12) -> None:
+    """scan --runtime: the quantities the profile holds in float16, tightest first (halfsafe.runtime_stats)."""
+    t = Table(title=f"Runtime {rt.profile.name}: what it computes in float16, tightest {top}", title_justify="left")
+    for col in ("site", "class", "|x| max", "sum x^2 max", "mean x^2 max", "rows sum > 65504", "mean x^2 min",
+                "rows mean -> 0", "eps -> 0", "partial sum max", "headroom bits"):
+        t.add_column(col, justify="left" if col in ("site", "class") else "right")
+    for s in rt.tightest(top):
+        if hasattr(s, "sum_sq_max"):
+            t.add_row(s.name, s.module_class, fmt(s.dev_max), fmt(s.sum_sq_max), fmt(s.mean_sq_max),
+                      f"{s.rows_sum_overflow}/{s.rows}", fmt(s.mean_sq_min), str(s.rows_mean_zero),
+                      "yes" if s.eps_rounds_to_zero else "no", "-", headroom_cell(s.headroom_bits))
+        else:
+            t.add_row(s.name, s.module_class, "-", "-", "-", "-", "-", "-", "-", fmt(s.partial_max), headroom_cell(s.headroom_bits))
+    console.print(t)
+    verdict = "[green]fits[/]" if rt.fits else "[red]does not fit[/]"
+    over = sum(s.rows_sum_overflow for s in rt.norms.values())
+    rows = sum(s.rows for s in rt.norms.values())
+    console.print(f"runtime {rt.profile.name}: {verdict}; norm rows whose sum of squares passes 65504: {over:,} of {rows:,}"
+                  + (f"; linears whose partial sums pass 65504: {sum(s.partial_max > 65504 for s in rt.linears.values())}"
+                     if rt.linears else ""))
 
 
 def formats_table(formats: list[FormatInfo], console: Console) -> None:
@@ -129,6 +153,19 @@ def verify_tables(report, console: Console) -> None:
                 per.add_row(r.name, str(m.nonfinite_logits), _opt(m.kl_mean, ".3e"), _opt(m.top1, ".2%"), _opt(m.perplexity, ".4g"),
                             f"{m.greedy_matched}/{m.greedy_total}" if m.greedy_total else "-")
             console.print(per)
+    collapse = [r for r in report.results if r.overall.uniform_positions is not None]
+    if collapse:
+        c = Table(title="Finite but broken? (entropy of each position's distribution; a row is near-uniform above 90% of "
+                        "log(vocab))", title_justify="left")
+        for col in ("variant", "non-finite positions", "mean entropy (nats)", "became near-uniform", "most frequent top-1",
+                    "collapsed"):
+            c.add_column(col, justify="left" if col == "variant" else "right", no_wrap=col == "variant")
+        for r in collapse:
+            o = r.overall
+            c.add_row(r.name, f"{o.nonfinite_positions}/{o.positions}", _opt(o.entropy_mean, ".3g"),
+                      f"{o.uniform_positions}/{o.positions}", _opt(o.mode_fraction, ".1%"),
+                      "[red]yes[/]" if o.collapsed else "no")
+        console.print(c)
     for name, why in report.skipped.items():
         console.print(f"[yellow]skipped {name}:[/] {why}")
     ref = next((r for r in report.results if r.name == "fp32"), None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class ScanReport:
     first_nonfinite_fp16: str | None = None
     fp16_checked: bool = False
     notes: list[str] = field(default_factory=list)
+    runtime: "RuntimeScan | None" = None  # what a runtime profile puts in float16 (scan --runtime)
 
     @property
     def fp16_safe(self) -> bool:
@@ -74,13 +76,16 @@ class ScanReport:
             "modules": [s.to_dict() for s in self.modules()],
             "inputs": [s.to_dict() for s in self.sites.values() if s.site.kind == "in"],
             "notes": self.notes,
+            **({"runtime": self.runtime.to_dict()} if self.runtime is not None else {}),
         }
 
 
 @torch.no_grad()
-def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "Scanning") -> dict[str, SiteStats]:
-    """Activation statistics of `model` over `samples`, merged across samples."""
-    with ActivationCollector(model) as collector, Progress(transient=True, disable=not progress) as bar:
+def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "Scanning",
+            also=nullcontext()) -> dict[str, SiteStats]:
+    """Activation statistics of `model` over `samples`, merged across samples (`also`: another collector, entered
+    for the same passes)."""
+    with ActivationCollector(model) as collector, also, Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(label, total=len(samples))
         for ids in samples:
             run_for_stats(model, ids)
@@ -118,9 +123,16 @@ def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor])
     return collector.first_nonfinite
 
 
-def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "") -> ScanReport:
-    """Measure every module's activations on `samples` (the model's own dtype, normally float32)."""
-    sites = collect(model, samples, progress)
+def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "",
+         runtime: "str | None" = None) -> ScanReport:
+    """Measure every module's activations on `samples` (the model's own dtype, normally float32); `runtime`: also
+    the quantities that runtime profile computes in float16 (halfsafe.runtime_stats; "torch": none)."""
+    from .runtime_stats import RuntimeCollector
+    from .runtimes import get_profile
+
+    profile = get_profile(runtime)
+    extra = RuntimeCollector(model, profile) if not profile.is_torch else None
+    sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext())
     report = ScanReport(
         model=name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         model_type=model.config.model_type,
@@ -128,6 +140,7 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
         n_tokens=sum((s["input_ids"] if isinstance(s, dict) else s).numel() for s in samples),
         sites=sites,
         layers=layer_peaks(model, sites),
+        runtime=extra.scan if extra is not None else None,
     )
     if fp16_check:
         report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples)

@@ -28,7 +28,7 @@ from .report import VariantResult, VerifyReport, environment
 from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
 from ..engine.streamed import compute_device, streamed_of
 from .runner import Runner, prepare_inputs
-from .variants import ALL_VARIANTS, REFERENCE, VARIANTS, Variant
+from .variants import ALL_VARIANTS, FP16, HALFSAFE, REFERENCE, VARIANTS, Variant, under_runtime
 
 
 def verify(
@@ -45,6 +45,7 @@ def verify(
     device: str | torch.device | None = None,
     progress: Callable[[str], None] | None = None,
     stream: bool = True,
+    runtime: str | None = None,
 ) -> VerifyReport:
     """Compare every variant of `model` (a folder/fixture name/hub id, or a float32 model) with its float32
     run on `texts` (default: the embedded held-out text, never used for calibration).
@@ -55,7 +56,12 @@ def verify(
     ALL_VARIANTS (the fp32 reference always runs). `progress`: called with a short status line.
     `stream`: run a folder (original and converted) block by block from its shards (halfsafe.engine), holding one
     block's weights at a time; False loads each whole. `device`: where it computes ("cpu", "cuda", "auto").
+    `runtime`: a runtime profile (halfsafe.runtimes); other than "torch", the fp16 and halfsafe fp16 variants also run
+    under its float16 arithmetic, emulated ("<variant> @ <profile>"), and every variant is checked for outputs that
+    are finite but collapsed (nearly uniform rows, one token on top everywhere).
     """
+    from ..runtimes import get_profile
+
     from ..calibration import heldout_text
     from ..loading import load_model
 
@@ -71,7 +77,10 @@ def verify(
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
     dev = compute_device(original)
+    profile = get_profile(runtime)
     todo, skipped = _chosen(variants, converted is not None)
+    if not profile.is_torch:
+        todo = [w for v in todo for w in ([v, under_runtime(v, profile)] if v.name in (FP16, HALFSAFE) else [v])]
     if converted is not None and not isinstance(converted, nn.Module):
         check_converted(converted, original)  # fail before the slow part
     if texts is None:
@@ -86,7 +95,7 @@ def verify(
     blocks = find_blocks(original)
     results: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions():
-        runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
+        runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress, collapse=not profile.is_torch)
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
             with _built(original, converted, from_converted, dtype, stream, dev, progress) as built:
@@ -106,6 +115,7 @@ def verify(
         results=results,
         skipped=skipped,
         environment=environment(dev),
+        runtime=None if profile.is_torch else profile.to_dict(),
     )
 
 

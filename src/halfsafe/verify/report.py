@@ -30,13 +30,35 @@ class Metrics:
     max_abs_logit_error: float = 0.0  # max |logit - fp32 logit| (NaN/inf if any logit is non-finite)
     greedy_matched: int | None = None  # generated tokens equal to fp32's before the first difference, summed
     greedy_total: int | None = None  # tokens generated (per prompt x prompts)
+    # collapse (verify --runtime): outputs that are finite and still broken; None where not measured
+    entropy_mean: float | None = None  # mean entropy of the variant's next-token distribution, nats
+    uniform_positions: int | None = None  # finite rows above UNIFORM x log(vocab) in entropy where fp32's are not
+    mode_fraction: float | None = None  # share of positions whose top-1 is the variant's most frequent top-1
 
     @property
     def greedy_fraction(self) -> float | None:
         return self.greedy_matched / self.greedy_total if self.greedy_total else None
 
+    @property
+    def collapsed(self) -> bool | None:
+        """Finite but broken: most rows nearly uniform, or one token on top nearly everywhere while fp32 disagrees."""
+        if self.uniform_positions is None:
+            return None
+        n = max(self.positions, 1)
+        return self.uniform_positions > n / 2 or (self.mode_fraction > COLLAPSED_MODE and self.top1 < 0.5)
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "greedy_fraction": self.greedy_fraction}
+        d = {**asdict(self), "greedy_fraction": self.greedy_fraction}
+        if self.uniform_positions is None:
+            for k in ("entropy_mean", "uniform_positions", "mode_fraction"):
+                d.pop(k)
+        else:
+            d["collapsed"] = self.collapsed
+        return d
+
+
+UNIFORM = 0.9  # a row whose entropy is above 90% of log(vocab) carries almost no information
+COLLAPSED_MODE = 0.9
 
 
 @dataclass
@@ -88,6 +110,7 @@ class VerifyReport:
     results: list[VariantResult]
     skipped: dict[str, str] = field(default_factory=dict)  # variant -> why
     environment: dict = field(default_factory=dict)
+    runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:
@@ -110,6 +133,7 @@ class VerifyReport:
             "variants": [r.to_dict() for r in self.results],
             "skipped": self.skipped,
             "environment": self.environment,
+            **({"runtime": self.runtime} if self.runtime is not None else {}),
         }
 
 

@@ -117,7 +117,9 @@ class Rows:
 class Runner:
     """Runs one model on every sample and prompt, compares to the stored reference."""
 
-    def __init__(self, inputs: Inputs, blocks: list[str], greedy_tokens: int, ref_dir: Path, progress: Callable[[str], None]):
+    def __init__(self, inputs: Inputs, blocks: list[str], greedy_tokens: int, ref_dir: Path, progress: Callable[[str], None],
+                 collapse: bool = False):
+        self.collapse = collapse  # also measure finite-but-collapsed outputs (verify --runtime)
         self.inputs = inputs
         self.blocks = blocks
         self.greedy_tokens = greedy_tokens
@@ -138,11 +140,11 @@ class Runner:
         encdec = is_encoder_decoder(model)
         device = compute_device(model)
         peaks = BlockPeaks(model, self.blocks)
-        overall, per_text, greedy_all = Accumulator(lm), [], []
+        overall, per_text, greedy_all = Accumulator(lm, self.collapse), [], []
         seconds, tokens, peak_act, method, logit_bytes = 0.0, 0, 0, "", 0
         try:
             for t, text_samples in enumerate(self.inputs.samples):
-                acc = Accumulator(lm)
+                acc = Accumulator(lm, self.collapse)
                 for s, ids in enumerate(text_samples):
                     self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
 

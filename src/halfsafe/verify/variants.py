@@ -66,3 +66,14 @@ VARIANTS = {
     HALFSAFE_FP32_RESIDUAL: Variant(HALFSAFE_FP32_RESIDUAL, "float16", True, "the converted checkpoint, residual stream in float32",
                                     keep_residual_fp32),
 }
+
+
+def under_runtime(base: Variant, profile) -> Variant:
+    """`base` run under a runtime profile's float16 arithmetic (halfsafe.emulate): "<base> @ <profile>"."""
+    from functools import partial
+
+    from ..emulate import emulate_runtime
+
+    return Variant(f"{base.name} @ {profile.name}", base.dtype, base.converted,
+                   f"{base.description}, under runtime profile {profile.name}: {profile.summary} (emulated)",
+                   partial(emulate_runtime, profile=profile))

@@ -1,0 +1,180 @@
+"""`scan --runtime P`: the quantities a runtime profile puts in float16, measured on the float32 run.
+
+Per norm (the ones the profile computes in float16): the largest |x| it reads, the largest sum and mean of squares
+of a row (RMSNorm: x^2; decomposed LayerNorm: (x - mean)^2, and its largest |x - mean|), how many rows' sums pass
+65504 (then the statistic is inf and the row comes out 0), the smallest non-zero mean of squares and how many rows'
+means round to 0 in float16, and whether the norm's eps itself rounds to 0. Per linear layer (profiles that
+accumulate in float16): the largest partial sum at the profile's chunking (the running sum over runs of
+`matmul_chunk` products) and the largest output. Headroom is log2(65504 / largest), as everywhere in halfsafe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import arith16
+from .emulate import is_linear, is_rms_norm
+from .formats import FP16_MAX
+from .runtimes import RuntimeProfile, get_profile
+from .sites import Hooks, headroom_bits
+from .stats import first_tensor
+
+FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
+
+
+@dataclass
+class NormStats:
+    name: str
+    module_class: str
+    kind: str  # "rms" or "layernorm"
+    eps: float
+    abs_max: float = 0.0  # largest |x| read
+    dev_max: float = 0.0  # LayerNorm: largest |x - mean| (what Pow squares); RMSNorm: = abs_max
+    sum_sq_max: float = 0.0
+    mean_sq_max: float = 0.0
+    mean_sq_min: float = math.inf  # smallest non-zero mean of squares
+    rows: int = 0
+    rows_sum_overflow: int = 0  # sum of squares > 65504: inf in float16
+    rows_mean_zero: int = 0  # mean of squares rounds to 0 in float16 (0 + an eps that is 0 too: rsqrt(0) = inf)
+
+    @property
+    def eps_rounds_to_zero(self) -> bool:
+        return self.eps > 0 and arith16.scalar16(self.eps) == 0.0
+
+    @property
+    def headroom_bits(self) -> float:
+        return headroom_bits(self.sum_sq_max)
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().float().reshape(-1, x.shape[-1])
+        d = x - x.mean(-1, keepdim=True) if self.kind == "layernorm" else x
+        sq = d * d
+        sums = sq.sum(-1)
+        means = sums / x.shape[-1]
+        self.abs_max = max(self.abs_max, float(x.abs().max()))
+        self.dev_max = max(self.dev_max, float(d.abs().max()))
+        self.sum_sq_max = max(self.sum_sq_max, float(sums.max()))
+        self.mean_sq_max = max(self.mean_sq_max, float(means.max()))
+        nonzero = means[means > 0]
+        if nonzero.numel():
+            self.mean_sq_min = min(self.mean_sq_min, float(nonzero.min()))
+        self.rows += x.shape[0]
+        self.rows_sum_overflow += int((sums > FP16_MAX).sum())
+        self.rows_mean_zero += int((means < FP16_ROUNDS_TO_ZERO).sum())
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "class": self.module_class, "kind": self.kind, "eps": self.eps,
+                "eps_rounds_to_zero": self.eps_rounds_to_zero, "abs_max": self.abs_max, "dev_max": self.dev_max,
+                "sum_sq_max": self.sum_sq_max, "mean_sq_max": self.mean_sq_max,
+                "mean_sq_min": self.mean_sq_min if math.isfinite(self.mean_sq_min) else None, "rows": self.rows,
+                "rows_sum_overflow": self.rows_sum_overflow, "rows_mean_zero": self.rows_mean_zero,
+                "headroom_bits": self.headroom_bits}
+
+
+@dataclass
+class LinearStats:
+    name: str
+    module_class: str
+    chunk: int
+    partial_max: float = 0.0  # largest |running sum| over the runs of `chunk` products, the final one included
+    out_max: float = 0.0
+    rows: int = 0
+
+    @property
+    def headroom_bits(self) -> float:
+        return headroom_bits(self.partial_max)
+
+    def update(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        from .engine.wide import WideWeight
+
+        x2 = x.detach().float().reshape(-1, x.shape[-1])
+        self.rows += x2.shape[0]
+        step = 4096
+        for start in range(0, weight.shape[0], step):
+            stop = min(start + step, weight.shape[0])
+            w = weight.rows(start, stop) if isinstance(weight, WideWeight) else weight[start:stop]
+            running = arith16.chunk_sums(x2, w.detach().float(), self.chunk).cumsum(-1)
+            self.partial_max = max(self.partial_max, float(running.abs().max()))
+            self.out_max = max(self.out_max, float(running[..., -1].abs().max()))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "class": self.module_class, "chunk": self.chunk, "partial_max": self.partial_max,
+                "out_max": self.out_max, "headroom_bits": self.headroom_bits}
+
+
+@dataclass
+class RuntimeScan:
+    profile: RuntimeProfile
+    norms: dict[str, NormStats] = field(default_factory=dict)
+    linears: dict[str, LinearStats] = field(default_factory=dict)
+
+    def tightest(self, n: int = 10) -> list:
+        return sorted([*self.norms.values(), *self.linears.values()], key=lambda s: s.headroom_bits)[:n]
+
+    @property
+    def fits(self) -> bool:
+        """Every measured quantity under 65504, no mean that rounds to 0 against an eps that does too."""
+        norms_ok = all(s.rows_sum_overflow == 0 and not (s.rows_mean_zero and s.eps_rounds_to_zero) for s in self.norms.values())
+        return norms_ok and all(s.partial_max <= FP16_MAX for s in self.linears.values())
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile.to_dict(), "fits": self.fits,
+                "norms": [s.to_dict() for s in self.norms.values()],
+                "linears": [s.to_dict() for s in self.linears.values()]}
+
+
+def _eps(m: nn.Module) -> float:
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        v = getattr(m, attr, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return 0.0
+
+
+class RuntimeCollector:
+    """`with RuntimeCollector(model, profile) as c: model(...)` fills `c.scan`; forward pre-hooks owned by one Hooks."""
+
+    def __init__(self, model: nn.Module, profile: "str | RuntimeProfile") -> None:
+        self.model = model
+        self.scan = RuntimeScan(get_profile(profile))
+        self._hooks = Hooks()
+
+    def __enter__(self) -> "RuntimeCollector":
+        p = self.scan.profile
+        try:
+            for name, m in self.model.named_modules():
+                rms = is_rms_norm(m)
+                if (rms and p.rms_stats_fp16) or (isinstance(m, nn.LayerNorm) and p.layernorm_fp16):
+                    s = self.scan.norms[name] = NormStats(name, type(m).__name__, "rms" if rms else "layernorm", _eps(m))
+                    self._hooks.add_pre(m, lambda mod, args, s=s: _norm_input(s, args))
+                elif p.matmul_chunk and is_linear(m):
+                    s = self.scan.linears[name] = LinearStats(name, type(m).__name__, p.matmul_chunk)
+                    self._hooks.add_pre(m, lambda mod, args, s=s: _linear_input(s, mod, args))
+        except BaseException:
+            self._hooks.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.remove()
+        # norms and linears that never ran (a tower the text did not reach) say nothing
+        self.scan.norms = {k: v for k, v in self.scan.norms.items() if v.rows}
+        self.scan.linears = {k: v for k, v in self.scan.linears.items() if v.rows}
+
+
+def _norm_input(stats: NormStats, args) -> None:
+    x = first_tensor(args)
+    if x is not None and x.numel():
+        stats.update(x)
+
+
+def _linear_input(stats: LinearStats, module: nn.Module, args) -> None:
+    x = first_tensor(args)
+    if x is None or not x.numel():
+        return
+    w = module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
+    stats.update(x, w)
