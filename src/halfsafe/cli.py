@@ -84,7 +84,7 @@ def cmd_convert(args) -> int:
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
         max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
-        max_shard_size=args.max_shard_size,
+        max_shard_size=args.max_shard_size, runtime=args.runtime,
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
     p.add_argument("--max-shard-size", default="50GB", type=lambda v: int(v) if v.isdigit() else v, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
+    _runtime_option(p, "choose the plan (or refuse)")
     _engine_options(p)
     p.set_defaults(func=cmd_convert)
 

@@ -24,6 +24,7 @@ from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_l
 from .precision import in_dtype
 from .shrink import probe_governed
 from .rewrite import apply_exponents_, trial
+from .runtimes import get_profile
 from .scan import ScanReport, scan
 from .sites import Site
 
@@ -60,6 +61,7 @@ class ConversionReport:
     fp16_finite: bool
     notes: list[str] = field(default_factory=list)
     margin: Margin | None = None
+    runtime: dict | None = None  # convert --runtime: the profile, its constraints and candidates (runtime_convert)
 
     @property
     def chosen(self) -> Candidate:
@@ -82,6 +84,7 @@ class ConversionReport:
             "fp32_output_change": self.fp32_output_change,
             "fp16_finite_on_calibration": self.fp16_finite,
             "notes": self.notes,
+            **({"runtime": self.runtime} if self.runtime is not None else {}),
         }
 
 
@@ -179,16 +182,19 @@ def plan_fp16_safe(
     progress: bool = True,
     scan_report: ScanReport | None = None,
     max_context: int | None = None,
+    runtime: str | None = None,
 ) -> ConversionReport:
     """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
     `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both). The margin kept under 65504
     is made for `max_context` tokens (default: the model's longest context) by `halfsafe.margin`'s rule;
-    `headroom_bits` sets it instead."""
+    `headroom_bits` sets it instead. `runtime`: a runtime profile (halfsafe.runtimes) other than "torch" chooses the
+    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime_convert)."""
+    profile = get_profile(runtime)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     if samples is None:
         samples = default_samples(model, tokenizer)
-    report = scan_report or scan(model, samples, progress=progress)
+    report = scan_report or scan(model, samples, progress=progress, runtime=profile)
     return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
     headroom_bits = margin.bits
@@ -197,13 +203,17 @@ def plan_fp16_safe(
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
     reference = solve(groups, constraints, headroom_bits)
-    tried = []
-    for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
-        kept, left = keeps_margin(constraints, e, reference, headroom_bits)
-        c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
-        c.headroom_bits, c.keeps_margin = left, kept
-        tried.append(c)
-    chosen = choose_candidate(tried)
+    tried, runtime_info = [], None
+    if profile.is_torch:
+        for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
+            kept, left = keeps_margin(constraints, e, reference, headroom_bits)
+            c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
+            c.headroom_bits, c.keeps_margin = left, kept
+            tried.append(c)
+        chosen = choose_candidate(tried)
+    else:
+        chosen, tried, runtime_info = _choose_under(profile, model, family, groups, constraints, reference, headroom_bits,
+                                                    candidates, eval_ids, ref, report, samples, progress)
     unfixable, tight = _problems(constraints, chosen.exponents, headroom_bits)
     if not chosen.finite and not unfixable and not allow_unfixable:
         # every measured tensor fits, yet fp16 overflows: inside a computation no module hook sees
@@ -230,7 +240,24 @@ def plan_fp16_safe(
         fp32_output_change=math.nan,
         fp16_finite=chosen.finite,
         margin=margin,
+        runtime=runtime_info,
     )
+
+
+def _choose_under(profile, model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref, report, samples,
+                  progress):
+    """convert --runtime: the candidates measured under the profile (halfsafe.runtime_convert), as Candidates."""
+    from .runtime_convert import choose
+
+    rt = report.runtime if report.runtime is not None and report.runtime.profile == profile else \
+        scan(model, samples, progress=progress, runtime=profile).runtime
+    usual = candidate_exponents(groups, constraints, headroom_bits, n)
+    exps, info = choose(model, family, groups, constraints, headroom_bits, usual, eval_ids, ref, rt)
+    tried = []
+    for c in info["candidates"]:
+        kept, left = keeps_margin(constraints, c["exponents"], reference, headroom_bits)
+        tried.append(Candidate(dict(c["exponents"]), c["kl"], c["top1"], c["finite"], left, kept))
+    return next(c for c in tried if c.exponents == exps), tried, info
 
 
 def _eval_ids(samples: list[torch.Tensor]) -> torch.Tensor:
@@ -306,6 +333,7 @@ def convert_checkpoint(
     stream: bool = True,
     device: str = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    runtime: str | None = None,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
@@ -316,6 +344,7 @@ def convert_checkpoint(
 
     check_out_dir(out, overwrite)  # fail before the slow part
     check_options(max_context, headroom_bits)
+    get_profile(runtime)  # an unknown profile too
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
     loaded = load_model(source, stream=stream, device=resolve_device(device))
@@ -327,7 +356,7 @@ def convert_checkpoint(
         samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
     tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
-                            max_context=max_context)
+                            max_context=max_context, runtime=runtime)
     save_fp16_checkpoint(loaded.model, tokenizer(), out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
                          max_shard_size, progress)
     return report
