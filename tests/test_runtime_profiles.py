@@ -164,3 +164,39 @@ def test_attention16_matches_eager_softmax_attention():
     want = torch.softmax(logits, -1) @ v.float()
     assert torch.allclose(out.float(), want.transpose(1, 2), atol=3e-3)
     assert torch.equal(probs[0, 0, 0, 1:], torch.zeros(4, dtype=torch.float16))  # causal mask held
+
+
+def test_streamed_model_with_every_matrix_wide_emulates_as_the_whole(tmp_path, monkeypatch):
+    from halfsafe.engine import wide
+    from halfsafe.engine.streamed import streamed_of
+    from halfsafe.forward import logits
+    from halfsafe.loading import load_model
+    from halfsafe.precision import in_dtype
+    from tiny import save_tiny
+
+    monkeypatch.setattr(wide, "MIN_CHUNK_ROWS", 32)
+    monkeypatch.setattr(wide, "CHUNK_BYTES", 1)
+    save_tiny("gemma3_text", tmp_path)
+    whole = load_model(tmp_path).model
+    streamed = load_model(tmp_path, stream=True).model
+    streamed_of(streamed).wide_bytes = 0  # the head and every linear read 32 rows at a time
+    ids = tiny_ids(whole, 12)
+    with in_dtype(whole, torch.float16) as a, in_dtype(streamed, torch.float16) as b:
+        with emulate_runtime(a, "all-fp16"):
+            want = logits(a, ids)
+        with emulate_runtime(b, "all-fp16"):
+            got = logits(b, ids)
+    assert torch.equal(want, got)
+
+
+def test_t5_norms_are_rms_norms_and_every_kind_is_counted():
+    from halfsafe import emulate
+
+    model = make_tiny("mt5")
+    half = cast_copy(model, torch.float16).eval()
+    ids = tiny_ids(model, 8)
+    n_norms = sum(type(m).__name__ == "MT5LayerNorm" for m in half.modules())
+    emulate.calls.clear()
+    with emulate_runtime(half, "fp16-norm-stats"), torch.no_grad():
+        half(input_ids=ids, decoder_input_ids=ids)
+    assert n_norms and emulate.calls["norm"] == n_norms and not emulate.calls["linear"]

@@ -16,6 +16,7 @@ The `torch` profile patches nothing. Fused MoE experts and embeddings keep PyTor
 from __future__ import annotations
 
 import types
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,13 @@ from .runtimes import RuntimeProfile, get_profile
 ATTENTION_NAME = "halfsafe_fp16"
 
 
+calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention"): what a run reached
+
+
 def is_rms_norm(m: nn.Module) -> bool:
+    """RMSNorm-type: a class named ...RMSNorm, or T5's (T5, MT5, LongT5, UMT5 ...LayerNorm, an RMSNorm)."""
     name = type(m).__name__
-    return not isinstance(m, nn.LayerNorm) and (name.endswith("RMSNorm") or name == "T5LayerNorm")
+    return not isinstance(m, nn.LayerNorm) and (name.endswith("RMSNorm") or name.endswith("T5LayerNorm"))
 
 
 def is_linear(m: nn.Module) -> bool:
@@ -66,6 +71,7 @@ class NormStats16(TorchFunctionMode):
             eps = kwargs.get("eps", args[4] if len(args) > 4 else 1e-5)
             if len(shape) != 1:
                 raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
+            calls["layer_norm"] += 1
             return arith16.layer_norm16(x, weight, bias, eps, self.lanes).to(x.dtype)
         if not self.rms:
             return func(*args, **kwargs)
@@ -81,6 +87,7 @@ class NormStats16(TorchFunctionMode):
             keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
             out = arith16.mean16(x.float(), self.lanes)
             self.means += 1
+            calls["norm"] += 1
             return self._mark((out.unsqueeze(-1) if keepdim else out).to(x.dtype))
         if tracked and name in ("add", "__add__", "__radd__") and any(isinstance(a, (int, float)) for a in args):
             eps = next(a for a in args if isinstance(a, (int, float)))
@@ -108,6 +115,7 @@ def _linear_forward(profile: RuntimeProfile):
     from .engine.wide import WideWeight
 
     def forward(self, x):
+        calls["linear"] += 1
         w = self.weight
         if type(self).__name__ == "Conv1D":
             w = w.t()
@@ -127,6 +135,7 @@ def _linear_forward(profile: RuntimeProfile):
 def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, lanes=64,
                 chunk=32, **kwargs):
     """Eager attention (as transformers' eager_attention_forward), every step in float16."""
+    calls["attention"] += 1
     if scaling is None:
         scaling = module.head_dim ** -0.5
     groups = getattr(module, "num_key_value_groups", 1)
@@ -144,7 +153,7 @@ def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=
         logits = arith16.r16(logits + arith16.r16(attention_mask[..., : key.shape[-2]].float()))
     probs = arith16.softmax16(logits, lanes)
     out = torch.stack([arith16.matmul16(probs[i, j], vf[i, j].t(), chunk) for i in range(b) for j in range(h)])
-    out = out.reshape(b, h, q, d).transpose(1, 2).contiguous().to(query.dtype)
+    out = out.reshape(b, h, q, value.shape[-1]).transpose(1, 2).contiguous().to(query.dtype)
     return out, probs.to(query.dtype)
 
 
