@@ -344,7 +344,7 @@ def convert_checkpoint(
 
     check_out_dir(out, overwrite)  # fail before the slow part
     check_options(max_context, headroom_bits)
-    get_profile(runtime)  # an unknown profile too
+    profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
     loaded = load_model(source, stream=stream, device=resolve_device(device))
@@ -356,7 +356,7 @@ def convert_checkpoint(
         samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
     tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
-                            max_context=max_context, runtime=runtime)
+                            max_context=max_context, **profiled)
     save_fp16_checkpoint(loaded.model, tokenizer(), out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
                          max_shard_size, progress)
     return report

@@ -95,7 +95,8 @@ def verify(
     blocks = find_blocks(original)
     results: list[VariantResult] = []
     with tempfile.TemporaryDirectory(prefix="halfsafe-verify-") as ref_dir, exact_fp16_reductions():
-        runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress, collapse=not profile.is_torch)
+        runner = Runner(inputs, blocks, greedy_tokens, Path(ref_dir), progress)
+        runner.collapse = not profile.is_torch  # also measure finite-but-collapsed outputs
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
             with _built(original, converted, from_converted, dtype, stream, dev, progress) as built:
