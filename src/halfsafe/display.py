@@ -51,16 +51,16 @@ def scan_tables(report: ScanReport, console: Console, top: int = 12) -> None:
 def runtime_table(rt, console: Console, top: int = 12) -> None:
     """scan --runtime: the quantities the profile holds in float16, tightest first (halfsafe.runtime_stats)."""
     t = Table(title=f"Runtime {rt.profile.name}: what it computes in float16, tightest {top}", title_justify="left")
-    for col in ("site", "class", "|x| max", "sum x^2 max", "mean x^2 max", "rows sum > 65504", "mean x^2 min",
+    for col in ("site", "|x| max", "sum x^2 max", "mean x^2 max", "rows sum > 65504", "mean x^2 min",
                 "rows mean -> 0", "eps -> 0", "partial sum max", "headroom bits"):
-        t.add_column(col, justify="left" if col in ("site", "class") else "right")
+        t.add_column(col, justify="left" if col == "site" else "right", no_wrap=col == "site")
     for s in rt.tightest(top):
         if hasattr(s, "sum_sq_max"):
-            t.add_row(s.name, s.module_class, fmt(s.dev_max), fmt(s.sum_sq_max), fmt(s.mean_sq_max),
+            t.add_row(s.name, fmt(s.dev_max), fmt(s.sum_sq_max), fmt(s.mean_sq_max),
                       f"{s.rows_sum_overflow}/{s.rows}", fmt(s.mean_sq_min), str(s.rows_mean_zero),
                       "yes" if s.eps_rounds_to_zero else "no", "-", headroom_cell(s.headroom_bits))
         else:
-            t.add_row(s.name, s.module_class, "-", "-", "-", "-", "-", "-", "-", fmt(s.partial_max), headroom_cell(s.headroom_bits))
+            t.add_row(s.name, "-", "-", "-", "-", "-", "-", "-", fmt(s.partial_max), headroom_cell(s.headroom_bits))
     console.print(t)
     verdict = "[green]fits[/]" if rt.fits else "[red]does not fit[/]"
     over = sum(s.rows_sum_overflow for s in rt.norms.values())
