@@ -122,3 +122,21 @@ def test_verify_runtime_shows_the_silent_collapse(stressed):
 
 def test_float16_rounding_of_the_statistics_is_visible():
     assert arith16.r16(torch.tensor(65519.0)).item() == 65504.0 and math.isinf(arith16.r16(torch.tensor(65520.0)).item())
+
+
+def test_cli_scan_and_verify_with_a_runtime(stressed, tmp_path, capsys):
+    import json
+
+    from halfsafe.cli import main
+
+    model, _, _ = stressed
+    model.save_pretrained(tmp_path / "m")
+    args = ["--seq-len", "24", "--max-samples", "1"]
+    assert main(["scan", str(tmp_path / "m"), *args, "--runtime", "fp16-norm-stats", "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "Runtime fp16-norm-stats" in out and "does not fit" in out
+    assert json.loads((tmp_path / "s.json").read_text())["runtime"]["fits"] is False
+    assert main(["verify", str(tmp_path / "m"), *args, "--greedy-tokens", "0", "--runtime", "fp16-accumulate",
+                 "--json", str(tmp_path / "v.json")]) == 0
+    names = [v["name"] for v in json.loads((tmp_path / "v.json").read_text())["variants"]]
+    assert "fp16 @ fp16-accumulate" in names and "Finite but broken?" in capsys.readouterr().out
