@@ -64,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profiles", default="torch,fp16-accumulate,fp16-norm-stats,all-fp16")
     ap.add_argument("--out", default=str(cache_dir() / "bench" / "gemma3-270m-fp16-default"))
+    ap.add_argument("--keep", action="store_true", help="keep the rows of results/runtime_profiles.json not measured again")
     args = ap.parse_args()
     folder = gemma3_270m_folder()
     out = Path(args.out)
@@ -75,14 +76,22 @@ def main() -> None:
         log(f"convert gemma3-270m {out}")
         convert_checkpoint(str(folder), str(out), overwrite=True, progress=False)
     today = json.loads((out / "halfsafe.json").read_text())["plan"]["exponents"].get("residual")
-    for name in args.profiles.split(","):
+    todo = args.profiles.split(",")
+    if args.keep and (RESULTS / "runtime_profiles.json").is_file():
+        kept = json.loads((RESULTS / "runtime_profiles.json").read_text())
+        data["rows"] = [r for r in kept["rows"] if r["profile"] not in todo]
+        data["kept_rows_from"] = {"command": kept["command"], "commit": kept["commit"]}
+    bf16 = next((r["bf16"] for r in data["rows"] if r.get("bf16")), None)
+    for name in todo:
         profile = PROFILES[name]
         row = {"profile": name, "summary": profile.summary, "today_residual": today}
         log(f"{name}: verify the original and today's conversion")
         t = time.perf_counter()
-        rep = run_verify(folder, out, name, [BF16, FP16, HALFSAFE])
         tag = "" if profile.is_torch else f" @ {name}"
-        row["original"], row["today"], row["bf16"] = overall(rep, FP16 + tag), overall(rep, HALFSAFE + tag), overall(rep, BF16)
+        # bf16 is PyTorch's whatever the profile: measured once (torch row, or the first row run)
+        rep = run_verify(folder, out, name, ([BF16] if bf16 is None else []) + [FP16 + tag, HALFSAFE + tag])
+        row["original"], row["today"] = overall(rep, FP16 + tag), overall(rep, HALFSAFE + tag)
+        row["bf16"] = bf16 = overall(rep, BF16) or bf16
         row["verify_seconds"] = time.perf_counter() - t
         if profile.is_torch:
             row["aware"], row["aware_note"] = row["today"], "the same checkpoint (--runtime torch is the default)"
@@ -103,6 +112,7 @@ def main() -> None:
         log(f"{name}: original {cell(row['original'])}, today {cell(row['today'])}, aware {cell(row['aware'])} "
             f"({row['aware_note'][:80]}), bf16 {cell(row['bf16'])}")
         data["rows"].append(row)
+        data["rows"].sort(key=lambda r: list(PROFILES).index(r["profile"]))
         write(data)
 
 
@@ -114,7 +124,8 @@ def write(data: dict) -> None:
         f"text, {data['tokens']} tokens, KL(fp32 ‖ variant) per token (top-1 agreement). Original and today's conversion "
         f"(residual 2^{data['rows'][0]['today_residual'] if data['rows'] else '?'}) run in fp16 under the profile; the "
         "profile-aware checkpoint is `halfsafe convert --runtime P`. bf16: PyTorch's bf16, for scale.",
-        f"Command: `{data['command']}` at commit {data['commit']}.",
+        f"Command: `{data['command']}` at commit {data['commit']}"
+        + (f" (rows kept from `{data['kept_rows_from']['command']}` at {data['kept_rows_from']['commit']})." if "kept_rows_from" in data else "."),
         "",
         "| profile | original fp16 | today's conversion | profile-aware checkpoint | bf16 |",
         "|---|---:|---:|---|---:|",

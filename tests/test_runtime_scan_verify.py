@@ -140,3 +140,11 @@ def test_cli_scan_and_verify_with_a_runtime(stressed, tmp_path, capsys):
                  "--json", str(tmp_path / "v.json")]) == 0
     names = [v["name"] for v in json.loads((tmp_path / "v.json").read_text())["variants"]]
     assert "fp16 @ fp16-accumulate" in names and "Finite but broken?" in capsys.readouterr().out
+
+
+def test_verify_runs_a_profile_variant_alone(stressed):
+    model, conv, _ = stressed
+    half = cast_copy(conv, torch.float16).eval()
+    report = verify(model, half, texts=[heldout_text()[:200]], seq_len=24, max_samples=1, greedy_tokens=0,
+                    variants=[f"{HALFSAFE} @ fp16-accumulate"], runtime="fp16-accumulate")
+    assert [r.name for r in report.results] == ["fp32", f"{HALFSAFE} @ fp16-accumulate"]

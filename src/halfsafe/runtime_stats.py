@@ -5,7 +5,9 @@ of a row (RMSNorm: x^2; decomposed LayerNorm: (x - mean)^2, and its largest |x -
 65504 (then the statistic is inf and the row comes out 0), the smallest non-zero mean of squares and how many rows'
 means round to 0 in float16, and whether the norm's eps itself rounds to 0. Per linear layer (profiles that
 accumulate in float16): the largest partial sum at the profile's chunking (the running sum over runs of
-`matmul_chunk` products) and the largest output. Headroom is log2(65504 / largest), as everywhere in halfsafe.
+`matmul_chunk` products) and the largest output, on the first PARTIAL_TOKENS positions of its first PARTIAL_CALLS
+forward passes: each costs a matrix product's work again (Gemma 3's head: 262k rows), and the positions that peak
+(a BOS token's massive activations) come first. Headroom is log2(65504 / largest), as everywhere in halfsafe.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from .sites import Hooks, headroom_bits
 from .stats import first_tensor
 
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
+PARTIAL_TOKENS = 128
+PARTIAL_CALLS = 2
 
 
 @dataclass
@@ -83,6 +87,7 @@ class LinearStats:
     partial_max: float = 0.0  # largest |running sum| over the runs of `chunk` products, the final one included
     out_max: float = 0.0
     rows: int = 0
+    calls: int = 0
 
     @property
     def headroom_bits(self) -> float:
@@ -91,7 +96,10 @@ class LinearStats:
     def update(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         from .engine.wide import WideWeight
 
-        x2 = x.detach().float().reshape(-1, x.shape[-1])
+        self.calls += 1
+        if self.calls > PARTIAL_CALLS:
+            return
+        x2 = x.detach().float().reshape(-1, x.shape[-1])[:PARTIAL_TOKENS]
         self.rows += x2.shape[0]
         step = 4096
         for start in range(0, weight.shape[0], step):
@@ -103,7 +111,7 @@ class LinearStats:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "class": self.module_class, "chunk": self.chunk, "partial_max": self.partial_max,
-                "out_max": self.out_max, "headroom_bits": self.headroom_bits}
+                "out_max": self.out_max, "rows": self.rows, "headroom_bits": self.headroom_bits}
 
 
 @dataclass

@@ -78,9 +78,7 @@ def verify(
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
     dev = compute_device(original)
     profile = get_profile(runtime)
-    todo, skipped = _chosen(variants, converted is not None)
-    if not profile.is_torch:
-        todo = [w for v in todo for w in ([v, under_runtime(v, profile)] if v.name in (FP16, HALFSAFE) else [v])]
+    todo, skipped = _with_runtime(variants, converted is not None, profile)
     if converted is not None and not isinstance(converted, nn.Module):
         check_converted(converted, original)  # fail before the slow part
     if texts is None:
@@ -118,6 +116,28 @@ def verify(
         environment=environment(dev),
         runtime=None if profile.is_torch else profile.to_dict(),
     )
+
+
+def _with_runtime(variants: list[str] | None, have_converted: bool, profile) -> tuple[list[Variant], dict[str, str]]:
+    """_chosen, plus fp16 and halfsafe fp16 under a runtime profile ("<variant> @ <profile>", right after the plain
+    one) wherever the plain one runs; `variants` may also name "<variant> @ <profile>" alone (the plain one is then
+    not run)."""
+    if profile.is_torch:
+        return _chosen(variants, have_converted)
+    under = {f"{b} @ {profile.name}": b for b in (FP16, HALFSAFE)}
+    if variants is None:
+        todo, skipped = _chosen(None, have_converted)
+        return [w for v in todo for w in ([v, under_runtime(v, profile)] if v.name in (FP16, HALFSAFE) else [v])], skipped
+    todo, skipped = _chosen([under.get(v, v) for v in variants], have_converted)
+    asked = {under[v] for v in variants if v in under}
+    plain = set(variants)
+    out = []
+    for v in todo:
+        if v.name in plain:
+            out.append(v)
+        if v.name in asked or (v.name in plain and v.name in (FP16, HALFSAFE)):
+            out.append(under_runtime(v, profile))
+    return out, skipped
 
 
 def _chosen(variants: list[str] | None, have_converted: bool) -> tuple[list[Variant], dict[str, str]]:
