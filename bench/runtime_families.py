@@ -25,7 +25,6 @@ from halfsafe.emulate import emulate_runtime, is_linear, is_rms_norm  # noqa: E4
 from halfsafe.errors import HalfsafeError  # noqa: E402
 from halfsafe.forward import logits  # noqa: E402
 from halfsafe.precision import cast_copy  # noqa: E402
-from halfsafe.runtimes import PROFILES  # noqa: E402
 from tiny import TINY, make_tiny, tiny_ids  # noqa: E402
 
 

@@ -53,11 +53,13 @@ class NormStats16(TorchFunctionMode):
         super().__init__()
         self.rms, self.layernorm, self.lanes = rms, layernorm, lanes
         self.tracked: set[int] = set()
+        self._alive: list[torch.Tensor] = []
         self.means = 0
         self.layer_norms = 0
 
     def _mark(self, t: torch.Tensor) -> torch.Tensor:
         self.tracked.add(id(t))
+        self._alive.append(t)  # held for the norm's forward: a freed tensor's id could name a new one
         return t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
