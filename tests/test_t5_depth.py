@@ -1,7 +1,7 @@
 """T5 at a real depth: Flan-T5-base's configuration (12 encoder and 12 decoder blocks, gated-GELU, untied head,
-its relative-attention buckets and eps) at a small width, random weights grown as bf16 training grows T5's (the
-`wo` and attention outputs of later blocks larger, past 65504: tests/stress.py), saved as a bf16 checkpoint,
-converted with the command line, run all-fp16, and the saved plan re-applied to the same checkpoint."""
+its relative-attention buckets and eps) at a small width, random weights grown as bf16 training grows T5's
+(massive channels written by later blocks' wo, the stream past 65504: tests/stress.py), saved as a bf16
+checkpoint, converted with the command line, run all-fp16, and the saved plan re-applied to the same checkpoint."""
 
 from __future__ import annotations
 
@@ -19,38 +19,18 @@ from halfsafe.metrics import mean_kl
 from halfsafe.precision import cast_copy
 from halfsafe.runtime import load_pure_fp16
 from halfsafe.scan import scan
-from stress import CHANNELS, activation_peak, weight_peak
+from stress import grow_t5_stacks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # a tiny width (conftest)
 
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
-# google/flan-t5-base's config.json, but for the widths (768 -> 64, d_ff 2048 -> 128, 12 heads of 64 -> 4 of 16) and
-# the vocabulary (32128 -> 256 byte ids)
-FLAN_T5_BASE = dict(num_layers=12, num_decoder_layers=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+# google/flan-t5-base's config.json (bench/t5_flan_base.py runs it at this size); the suite's copy narrows the widths
+# (768 -> 64, d_ff 2048 -> 128, 12 heads of 64 -> 4 of 16) and the vocabulary (32128 -> 256 byte ids)
+FLAN_T5_BASE_SHAPE = dict(num_layers=12, num_decoder_layers=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                     relative_attention_num_buckets=32, relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
                     dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
-                    d_model=64, d_ff=128, num_heads=4, d_kv=16, vocab_size=256)
-
-
-@torch.no_grad()
-def _grow(model, run) -> None:
-    """Massive channels written by the feed-forwards, growing along each stack (block i of L: wo rows x
-    2**(k (i+1) / 2L), wi_1 x its square root) until the residual stream passes 65504 by 2 bits, every weight under 65504: a different
-    function (not a rescale), the fp32 reference. Growing a bit per block, as tests/stress.py does for 2-block
-    models, would push 12 blocks' weights past fp16."""
-    original = {n: p.clone() for n, p in model.named_parameters()}
-    for k in range(8, 64):
-        for stack in (model.encoder, model.decoder):
-            for i, block in enumerate(stack.block):
-                ff = block.layer[-1].DenseReluDense
-                f = 2.0 ** (k * (i + 1) / (2 * len(stack.block)))
-                ff.wo.weight[list(CHANNELS)] *= f
-                ff.wi_1.weight.mul_(f ** 0.5)
-        if weight_peak(model) < FP16_MAX < activation_peak(model, run) / 4:
-            return
-        for n, p in model.named_parameters():
-            p.copy_(original[n])
-    raise AssertionError("no growth passes 65504 by 2 bits with every weight under it")
+                    vocab_size=32128, d_model=768, d_ff=2048, num_heads=12, d_kv=64)
+FLAN_T5_BASE = {**FLAN_T5_BASE_SHAPE, "d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16, "vocab_size": 256}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +43,7 @@ def flan(tmp_path_factory):
         for p in model.parameters():
             p.copy_((p + torch.randn_like(p) * 0.1 * (p.dim() == 1)).bfloat16().float())
     calib = make_samples([default_text()], None, 256, 32, 2)
-    _grow(model, lambda: [logits(model, ids) for ids in calib])
+    grow_t5_stacks(model, lambda: [logits(model, ids) for ids in calib])
     model.to(torch.bfloat16).save_pretrained(root / "base")
     assert main(["convert", str(root / "base"), str(root / "out"), *ARGS]) == 0
     return root, model.float(), calib
@@ -82,12 +62,12 @@ def test_late_blocks_grow_past_fp16_and_the_converted_model_runs_all_fp16(flan):
         before, out = logits(original, ids).float(), logits(converted, ids).float()
         assert torch.isfinite(out).all()
         # Unconverted, T5 clamps its overflowing fp16 stream: finite, wrong. Converted, nothing overflows, and fp16
-        # is closer to fp32 than bf16 is. This growth makes a sensitive model; measured on the two samples: unconverted
-        # fp16 0.114 and 0.096, converted 0.026 and 0.0066, bf16 0.047 and 0.023.
+        # is far closer to fp32 than bf16. Measured on the two samples: unconverted fp16 0.038 and 0.071, converted
+        # 6.2e-7 and 2.0e-6, bf16 5.0e-5 and 5.2e-5.
         bf16 = logits(cast_copy(model, torch.bfloat16), ids).float()
         kl_before, kl_after, kl_bf16 = mean_kl(ref, before), mean_kl(ref, out), mean_kl(ref, bf16)
         print(f"KL to fp32: unconverted fp16 {kl_before:.3g}, converted fp16 {kl_after:.3g}, bf16 {kl_bf16:.3g}")
-        assert kl_after < kl_bf16 < kl_before
+        assert kl_before > 1e-2 and kl_after < 1e-5 and kl_after < kl_bf16 / 10
 
 
 def test_the_saved_plan_re_applied_to_the_checkpoint_gives_the_same_weights(flan):
