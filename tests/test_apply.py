@@ -67,17 +67,25 @@ def test_apply_to_a_fine_tune_rescales_exactly_and_reports_fp16_safe(converted, 
     assert torch.isfinite(half(input_ids=ids).logits).all()
 
 
-@pytest.mark.parametrize("growth, code, says", [(64, 0, "does NOT keep the plan's"), (4096, 1, "not fp16-safe")])
+@pytest.mark.parametrize("growth, code, says", [(64, 0, "does NOT keep the plan's"), (4096, 2, "not fp16-safe")])
 def test_a_fine_tune_whose_activations_grew_is_reported(converted, tmp_path, capsys, growth, code, says):
-    """64x larger residual writes still fit (measured peak 4.5e4) but eat the margin; 4096x overflow."""
+    """64x larger residual writes still fit (measured peak 4.5e4) but eat the margin: saved, and said; 4096x overflow:
+    refused in one line, nothing saved (halfsafe never writes a result its own scan finds not fp16-safe)."""
     root, model, _ = converted
     grown = _fine_tune(model, seed=2)
     with torch.no_grad():
         for layer in grown.model.layers:
             layer.mlp.down_proj.weight.mul_(growth)
     grown.save_pretrained(tmp_path / "grown")
+    capsys.readouterr()
     assert main(["apply", str(root / "out"), str(tmp_path / "grown"), str(tmp_path / "grown-fp16"), *ARGS]) == code
-    assert says in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert says in out and (tmp_path / "grown-fp16" / "halfsafe.json").is_file()
+    else:
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and says in errors[0] and "fp16-safe on" not in out, err
+        assert not (tmp_path / "grown-fp16").exists() and not list(tmp_path.glob(".grown-fp16*"))
 
 
 @pytest.mark.parametrize("case", ["other size", "newer format", "edited tensor list", "not a plan"])
