@@ -353,11 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _keep_reports_out_of_inputs(args) -> None:
+    """--json and --plot never write into (or over) the model or the converted folder being read."""
+    from .checkpoint import refuse_overlap
+    from .loading import input_paths
+
+    inputs = [p for name in ("model", "converted") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
+    for path in (getattr(args, "json", None), getattr(args, "plot", None)):
+        if path:
+            refuse_overlap(path, inputs)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
     try:
+        _keep_reports_out_of_inputs(args)
         return args.func(args)
     except HalfsafeError as e:
         err_console.print(f"[red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)  # one line

@@ -37,6 +37,12 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         for site, p in sites_moved.items():
             if p:
                 powers_by_site.setdefault(site, {})[g] = p
+    bad = next((name for name, s in sites.items() if not math.isfinite(s.abs_max)), None)
+    if bad is not None:
+        from .errors import HalfsafeError
+
+        raise HalfsafeError(f"{bad} is non-finite even in float32: the model's weights are corrupt (or its inputs); "
+                            "re-download or re-save the checkpoint")
     out = [
         Constraint(name, math.log2(s.abs_max), powers_by_site.get(name, {}))
         for name, s in sites.items()
