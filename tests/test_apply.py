@@ -15,8 +15,9 @@ from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
 from halfsafe.forward import logits
 from halfsafe.plan import PLAN_FORMAT, Plan
+from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
 from stress import make_stress
-from tiny import make_tiny
+from tiny import make_tiny, save_tiny
 
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
 
@@ -123,3 +124,67 @@ def test_a_plan_from_the_first_format_still_loads(converted, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(plan))
     old = Plan.load(tmp_path / "old.json")
     assert old.format == 1 and old.exponents == {k: v for k, v in plan["exponents"].items()}
+
+
+# --- hostile plans: refused in one line by the schema (plan_schema.py) or the storage check, nothing written -------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def model(tiny, tmp_path):
+    return copy_of(tiny, tmp_path / "model")
+
+
+@pytest.fixture(scope="module")
+def plan_dict() -> dict:
+    return tiny_plan(-1)
+
+
+def _hostile(plan: dict, case: str):
+    if case.startswith("residual "):
+        return {**plan, "exponents": {"residual": json.loads(case.split()[1])}}
+    return {
+        "format abc": {**plan, "format": "abc"},
+        "plan null": {"plan": None},
+        "tensors as strings": {**plan, "tensors": [t["param"] for t in plan["tensors"]]},
+        "empty tensor list": {**plan, "tensors": []},
+        "a list": [plan],
+        "a group name with a newline": {**plan, "exponents": {"no\nsuch": -1}},
+    }[case]
+
+
+@pytest.mark.parametrize("case, says", [
+    ("residual -60", "integers from -24 to 24"), ("residual -500", "integers from -24 to 24"),
+    ("residual 500", "integers from -24 to 24"), ("residual 0.5", "is 0.5"), ("residual 1e999", "is inf"),
+    ("format abc", "format is 'abc'"), ("plan null", "the plan is null"), ("tensors as strings", "tensor 0 is a string"),
+    ("empty tensor list", "differs from what today's"), ("a list", "the plan is a list"),
+    ("a group name with a newline", "names groups this model does not have: no such"),
+])
+def test_a_bad_plan_is_refused_in_one_line_before_anything_is_written(model, plan_dict, tmp_path, capsys, case, says):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(_hostile(plan_dict, case)) if case != "residual -60" else
+                    json.dumps(tiny_plan(-60)))  # -60 with the tensor list that goes with it
+    before = folder_hash(model)
+    refused(capsys, ["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT], says)
+    assert folder_hash(model) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("residual, says", [(-24, "flushes model.embed_tokens.weight to zero"), (24, "exceed 65504")])
+def test_a_plan_that_would_zero_or_overflow_a_tensor_in_fp16_is_refused(model, plan_dict, tmp_path, capsys, residual, says):
+    """Within the solver's range, yet ruinous for these weights (the tiny model's are ~0.02: x 2^-24 is below fp16's
+    smallest subnormal, x 2^24 above 65504): the storage check refuses before writing."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(tiny_plan(residual)))
+    refused(capsys, ["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT], says, "nothing was written")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_good_plan_applies(model, plan_dict, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plan_dict))
+    assert main(["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT]) == 0
+    assert "fp16-safe on the check text" in capsys.readouterr().out

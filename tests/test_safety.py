@@ -1,66 +1,34 @@
 """What halfsafe promises about its input, held against hostile folders built here: nothing is read from outside
-MODEL and nothing it ships is run; MODEL is never written, replaced or deleted, and --overwrite replaces only a
-folder halfsafe wrote (or an empty one), never one that appeared meanwhile; a corrupt or inconsistent input, a bad
-option or a bad plan is refused in one line (exit 2) before the slow part; a plan that would zero a model is never
-applied. Property tests (hypothesis) over plan dicts and safetensors headers: any input gives a correct result or
-a one-line error with exit 2, never a traceback, never a changed input folder."""
+MODEL and nothing it ships is run; MODEL is never written, replaced or deleted. Property tests (hypothesis) over
+plan dicts and safetensors headers: any input gives a correct result or a one-line error with exit 2, never a
+traceback, never a changed input folder. (Corrupt input and bad options: test_errors.py; --overwrite and racing
+runs: test_faults.py; plans that do not fit or would zero a model: test_apply.py.)"""
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import math
 import os
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import halfsafe
 from halfsafe.cli import main
 from halfsafe.errors import HalfsafeError
-from halfsafe.families import family_for
-from halfsafe.groups import expand
 from halfsafe.plan import Plan
+from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
 from tiny import make_tiny, save_tiny
 
-SHORT = ["--seq-len", "32", "--max-samples", "1"]
 PROPERTY = settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                             HealthCheck.too_slow])
-
-
-def folder_hash(folder: Path) -> str:
-    """Every entry under `folder`: its path, its link target or its bytes."""
-    h = hashlib.sha256()
-    for p in sorted(Path(folder).rglob("*")):
-        h.update(str(p.relative_to(folder)).encode())
-        if p.is_symlink():
-            h.update(b"-> " + os.readlink(p).encode())
-        elif p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
-def refused(capsys, argv: list[str], *says: str) -> str:
-    """`halfsafe ARGV` exits 2 with one line on stderr (no traceback) that says each of `says`."""
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    for s in says:
-        assert s in err, err
-    return err
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +38,7 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def model(tiny, tmp_path) -> Path:
-    """A fresh copy of the tiny checkpoint, to be made hostile."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    for f in tiny.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    return folder
+    return copy_of(tiny, tmp_path / "model")
 
 
 # --- nothing read from outside MODEL ----------------------------------------------------------------------------
@@ -188,72 +151,6 @@ def test_convert_into_the_model_folder_is_refused(model, capsys, overwrite):
     refused(capsys, ["convert", str(model), str(model / "out"), *overwrite, *SHORT], "inside the model folder")
     assert folder_hash(model) == before
 
-
-def test_overwrite_replaces_only_a_folder_halfsafe_wrote_or_an_empty_one(model, tmp_path, capsys):
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "photo.jpg").write_bytes(b"\xff\xd8")
-    refused(capsys, ["convert", str(model), str(mine), "--overwrite", *SHORT], "did not write", "halfsafe.json")
-    assert (mine / "photo.jpg").read_bytes() == b"\xff\xd8"
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert main(["convert", str(model), str(empty), "--overwrite", *SHORT]) == 0  # an empty folder
-    assert main(["convert", str(model), str(empty), "--overwrite", *SHORT]) == 0  # a folder halfsafe wrote
-    assert (empty / "halfsafe.json").is_file() and not list(tmp_path.glob(".empty.*"))
-
-
-def _convert_while_paused(model: Path, out: Path, meanwhile, mine: list[str], monkeypatch) -> tuple[int, str]:
-    """This run converts MODEL into OUT; right after its save-time checks (while it writes) `meanwhile()` puts another
-    folder at OUT. Returns this run's exit code and the hash of that folder."""
-    import halfsafe.checkpoint as checkpoint
-
-    real, seen = checkpoint._write_extras, {}
-
-    def write_extras(*args, **kwargs):
-        meanwhile()
-        seen["other"] = folder_hash(out)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(checkpoint, "_write_extras", write_extras)
-    return main(["convert", str(model), str(out), *SHORT, *mine]), seen["other"]
-
-
-def test_two_converts_to_one_out_the_second_to_finish_fails_and_the_first_stays(model, tmp_path, capsys, monkeypatch):
-    """Two real processes: the other one finishes while this one writes (its clean-up must spare this one's
-    temporary folder, and this one's rename must not replace its output)."""
-    out = tmp_path / "out"
-
-    def other_run():
-        done = subprocess.run([sys.executable, "-m", "halfsafe.cli", "convert", str(model), str(out), *SHORT],
-                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
-        assert done.returncode == 0, done.stderr
-
-    capsys.readouterr()
-    code, other = _convert_while_paused(model, out, other_run, [], monkeypatch)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "appeared while this run was writing it" in err[0], err
-    assert folder_hash(out) == other and (out / "halfsafe.json").is_file()  # the first to finish: intact
-    assert not list(tmp_path.glob(".out.*"))
-
-
-def test_overwrite_replaces_only_the_folder_that_was_there_when_the_save_began(model, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "out"
-    assert main(["convert", str(model), str(out), *SHORT]) == 0
-    newer = tmp_path / "newer"
-    newer.mkdir()
-    (newer / "halfsafe.json").write_text("{}")
-
-    def replaced_meanwhile():  # as another --overwrite run's swap would: the old folder out, a new one in
-        out.rename(tmp_path / "older")
-        newer.rename(out)
-
-    capsys.readouterr()
-    code, other = _convert_while_paused(model, out, replaced_meanwhile, ["--overwrite"], monkeypatch)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "appeared while this run was writing it" in err[0], err
-    assert folder_hash(out) == other and not list(tmp_path.glob(".out.*"))
-
-
 def test_no_output_path_may_write_into_the_model(model, capsys):
     """The reports too: OUT, --json and --plot are kept out of MODEL."""
     before = folder_hash(model)
@@ -262,137 +159,9 @@ def test_no_output_path_may_write_into_the_model(model, capsys):
     assert folder_hash(model) == before
 
 
-# --- corrupt or inconsistent input: one line, before the slow part --------------------------------------------------
-
-
-@pytest.fixture
-def no_slow_part(monkeypatch):
-    monkeypatch.setattr("halfsafe.convert.make_fp16_safe", lambda *a, **k: pytest.fail("the slow part ran"))
-    monkeypatch.setattr(sys.modules["halfsafe.scan"], "scan", lambda *a, **k: pytest.fail("the slow part ran"))
-    monkeypatch.setattr("halfsafe.convert.scan", lambda *a, **k: pytest.fail("the slow part ran"))
-
-
-@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_a_non_finite_weight_is_a_corrupt_checkpoint(model, tmp_path, capsys, no_slow_part, value):
-    tensors = load_file(model / "model.safetensors")
-    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
-    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    for argv in (["convert", str(model), str(tmp_path / "out")], ["scan", str(model)], ["convert", str(model), str(tmp_path / "o"), "--whole"]):
-        refused(capsys, [*argv, *SHORT], "non-finite weights in model.layers.1.mlp.up_proj.weight", "the checkpoint is corrupt")
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("field, value, says", [
-    ("num_hidden_layers", 100000, "num_hidden_layers 100000, but the checkpoint stores layers up to 1"),
-    ("hidden_size", 10**7, "hidden_size 10000000, a size no weight"),
-    ("vocab_size", 10**9, "vocab_size 1000000000"),
-    ("intermediate_size", 10**7, "mlp.gate_proj.weight is [10000000, 64], but the checkpoint stores [128, 64]"),
-    ("num_attention_heads", 64, "self_attn"),
-])
-def test_a_config_that_disagrees_with_the_weights_is_refused_fast(model, capsys, no_slow_part, field, value, says):
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, field: value}))
-    for extra in ([], ["--whole"]):
-        start = time.perf_counter()
-        refused(capsys, ["scan", str(model), *extra, *SHORT], "does not match the weights", says)
-        assert time.perf_counter() - start < 10
-
-
-def test_a_shard_larger_than_this_machine_can_map_is_refused(model, capsys):
-    from halfsafe.validate import mappable_bytes
-
-    limit = mappable_bytes()
-    if limit is None:
-        pytest.skip("this machine maps files of any size (overcommit without limit)")
-    n = limit // 2 + (1 << 30)  # bf16 elements: 2 GB more than can be mapped, stored sparse (no disk used)
-    header = json.dumps({"huge": {"dtype": "BF16", "shape": [n], "data_offsets": [0, 2 * n]}}).encode()
-    header += b" " * (-len(header) % 8)
-    with open(model / "model-huge.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header)
-        f.truncate(8 + len(header) + 2 * n)
-    refused(capsys, ["scan", str(model), *SHORT], "model-huge.safetensors", "more than this machine can map")
-
-
-def test_every_option_is_parsed_before_anything_loads(model, tmp_path, capsys, no_slow_part):
-    out = str(tmp_path / "out")
-    refused(capsys, ["convert", str(model), out, "--max-shard-size", "banana"], "argument --max-shard-size", "'banana' is not a size")
-    refused(capsys, ["convert", str(model), out, "--seq-len", "-3"], "argument --seq-len")
-    refused(capsys, ["convert", str(model), out, "--headroom-bits", "nan"], "--headroom-bits", "not a finite number")
-    refused(capsys, ["scan", str(model), "--device", "tpu"], "unknown device 'tpu'")
-    refused(capsys, ["convert", str(model)], "out")  # a missing argument: one line too
-    assert not Path(out).exists()
-
-
-def test_a_valid_shard_size_reaches_the_writer(model, tmp_path):
-    assert main(["convert", str(model), str(tmp_path / "out"), "--max-shard-size", "100KB", *SHORT]) == 0
-    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
-
-
-# --- plans: validated in one place; none that zeroes a model is applied -------------------------------------------
-
-
 @pytest.fixture(scope="module")
-def plan_dict(tiny) -> dict:
-    """A valid plan for the tiny model (residual x 2^-1), as plan.json holds it."""
-    m = make_tiny("llama")
-    family = family_for("llama")
-    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
-    return Plan.build(family.name, "llama", expand(family, m), {"residual": -1}, 2.0, None, shapes).to_dict()
-
-
-def _consistent(plan: dict, residual: int) -> dict:
-    """The plan with another residual exponent and the tensor list that goes with it (as if halfsafe had written it)."""
-    m = make_tiny("llama")
-    family = family_for("llama")
-    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
-    return {**Plan.build(family.name, "llama", expand(family, m), {"residual": residual}, 2.0, None, shapes).to_dict(),
-            "halfsafe_version": plan["halfsafe_version"]}
-
-
-def _hostile(plan: dict, case: str):
-    if case.startswith("residual "):
-        return {**plan, "exponents": {"residual": json.loads(case.split()[1])}}
-    return {
-        "format abc": {**plan, "format": "abc"},
-        "plan null": {"plan": None},
-        "tensors as strings": {**plan, "tensors": [t["param"] for t in plan["tensors"]]},
-        "empty tensor list": {**plan, "tensors": []},
-        "a list": [plan],
-        "a group name with a newline": {**plan, "exponents": {"no\nsuch": -1}},
-    }[case]
-
-
-@pytest.mark.parametrize("case, says", [
-    ("residual -60", "integers from -24 to 24"), ("residual -500", "integers from -24 to 24"),
-    ("residual 500", "integers from -24 to 24"), ("residual 0.5", "is 0.5"), ("residual 1e999", "is inf"),
-    ("format abc", "format is 'abc'"), ("plan null", "the plan is null"), ("tensors as strings", "tensor 0 is a string"),
-    ("empty tensor list", "differs from what today's"), ("a list", "the plan is a list"),
-    ("a group name with a newline", "names groups this model does not have: no such"),
-])
-def test_a_bad_plan_is_refused_in_one_line_before_anything_is_written(model, plan_dict, tmp_path, capsys, case, says):
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(_hostile(plan_dict, case)) if case != "residual -60" else
-                    json.dumps(_consistent(plan_dict, -60)))  # -60 with the tensor list that goes with it
-    before = folder_hash(model)
-    refused(capsys, ["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT], says)
-    assert folder_hash(model) == before and not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("residual, says", [(-24, "flushes model.embed_tokens.weight to zero"), (24, "exceed 65504")])
-def test_a_plan_that_would_zero_or_overflow_a_tensor_in_fp16_is_refused(model, plan_dict, tmp_path, capsys, residual, says):
-    """Within the solver's range, yet ruinous for these weights (the tiny model's are ~0.02: x 2^-24 is below fp16's
-    smallest subnormal, x 2^24 above 65504): the storage check refuses before writing."""
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(_consistent(plan_dict, residual)))
-    refused(capsys, ["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT], says, "nothing was written")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
-
-
-def test_a_good_plan_applies(model, plan_dict, tmp_path, capsys):
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps(plan_dict))
-    assert main(["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT]) == 0
-    assert "fp16-safe on the check text" in capsys.readouterr().out
+def plan_dict() -> dict:
+    return tiny_plan(-1)
 
 
 # --- property tests --------------------------------------------------------------------------------------------------
@@ -495,3 +264,16 @@ def test_any_safetensors_header_gives_a_scan_or_one_line(tiny, tmp_path_factory,
     if code == 2:
         assert len(err.splitlines()) == 1, err
     assert folder_hash(folder) == before
+
+
+def test_a_model_given_in_memory_with_a_non_finite_weight_is_named_corrupt():
+    """The Python API takes models halfsafe did not load: a NaN there is reported as corruption, not as an
+    fp16 overflow or an OverflowError from the solver."""
+    from halfsafe.convert import plan_fp16_safe
+    from tiny import tiny_ids
+
+    model = make_tiny("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = math.nan
+    with pytest.raises(HalfsafeError, match="non-finite even in float32: the model's weights are corrupt"):
+        plan_fp16_safe(model, [tiny_ids(model, 16)], progress=False)

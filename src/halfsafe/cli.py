@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom-bits", type=_number, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
     p.add_argument("--long-sample", type=_count(2), metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
     p.add_argument("--max-shard-size", default="50GB", type=_shard_size, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("converted", help="the folder `halfsafe convert` wrote")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     p.set_defaults(func=cmd_export)
 
@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p, seq_len=256, max_samples=2)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-from", metavar="STATE", help="resume from this state file instead of OUT's partial folder")
     p.add_argument("--restart", action="store_true", help="discard a saved training state and start over")
     p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
     p.set_defaults(func=cmd_finetune)
 
