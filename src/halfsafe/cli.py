@@ -365,7 +365,11 @@ def _keep_reports_out_of_inputs(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (exit 2, one line), --help or --version: the code, as for every other exit
+        return e.code if isinstance(e.code, int) else 2
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
     try:
