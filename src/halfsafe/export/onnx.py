@@ -302,7 +302,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     from ..checkpoint import atomic_folder, check_out_dir
 
     folder = check_source(source)
-    out = check_out_dir(out, overwrite)
+    out = check_out_dir(out, overwrite, inputs=[folder])
     require_onnx()
     warning = not_converted_warning(folder)
     if warning and scan:
@@ -310,7 +310,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     if warning:
         log.warning(warning)  # before the slow part
     model = load_fp16(folder)
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, replace=overwrite) as tmp:
         write_onnx(model, tmp, source=folder)
     return report_for(out / ONNX_FILE, model.config.model_type, converted=warning is None, warning=warning)
 
@@ -325,7 +325,7 @@ def add_onnx(folder: str | Path) -> OnnxExportReport:
     model = load_fp16(folder)
     program = export_program(model)
     onnx_dir = folder / Path(ONNX_FILE).parent
-    with atomic_folder(onnx_dir) as tmp:
+    with atomic_folder(onnx_dir, replace=True) as tmp:
         save_program(program, tmp / Path(ONNX_FILE).name)
     path = folder / ONNX_FILE
     _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
