@@ -40,6 +40,8 @@ from halfsafe.metrics import mean_kl  # noqa: E402
 from halfsafe.probe import probe  # noqa: E402
 from halfsafe.rewrite import apply_exponents_  # noqa: E402
 from halfsafe.scan import scan  # noqa: E402
+import jsclient  # noqa: E402
+from jsclient import save_char_tokenizer  # noqa: E402
 from tiny import make_tiny, save_tiny, tiny_ids  # noqa: E402
 
 GREEDY = 24  # tokens generated with the KV cache (past the tiny Gemma 3's sliding window of 8)
@@ -58,7 +60,21 @@ def _stress_folder(key: str, folder):
     peak = max(layer.residual_peak for layer in scan(model, [ids], progress=False).layers)
     apply_exponents_(model, family, groups, {g: math.ceil(math.log2(4 * 65504 / peak)) for g in residual})
     model.to(torch.bfloat16).save_pretrained(folder)
+    save_char_tokenizer(folder, model.config)  # for transformers.js's pipeline (test_transformers_js_*)
     return model.float()
+
+
+def assert_greedy_equal(fp32, ids: torch.Tensor, got: list[int], want: list[int], tie: float = 1e-3) -> None:
+    """`got` == `want` (fp32's greedy tokens after `ids`), or they part where fp32's two best logits are within
+    `tie` (a random tiny model has such near-ties; fp16 arithmetic cannot break them as fp32 does), equal before it."""
+    if got == want:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.no_grad():
+        logits = fp32(torch.cat([ids, torch.tensor([want[:i]], dtype=ids.dtype)], dim=1)).logits[0, -1]
+    top = torch.topk(logits, 2)
+    gap = float(top.values[0] - top.values[1])
+    assert gap < tie and got[i] in top.indices.tolist(), f"greedy tokens part at {i}: {got[i]} != {want[i]} (fp32 top-2 gap {gap:.2e})"
 
 
 def _heldout_ids(model, n: int = 32) -> torch.Tensor:
@@ -101,6 +117,25 @@ def test_layout_no_clip_fp16_weights_kv_cache(gemma3, llama):
         mats = [i for i in proto.graph.initializer if len(i.dims) == 2]
         assert mats and all(i.data_type == onnx.TensorProto.FLOAT16 for i in mats)  # every weight matrix is fp16
         assert proto.graph.input[3].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16  # fp16 KV cache
+        assert config["transformers.js_config"]["kv_cache_dtype"] == {"fp16": "float16"}  # 3.x makes the empty cache so
+        # the free dimensions by the names transformers.js 4.x builds the empty KV cache from
+        dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+                for v in list(proto.graph.input) + list(proto.graph.output)}
+        _, heads, _, head_dim = dims["past_key_values.0.key"]
+        assert dims["input_ids"] == dims["position_ids"] == ["batch_size", "sequence_length"]
+        assert dims["attention_mask"] == ["batch_size", "total_sequence_length"]
+        assert dims["past_key_values.1.value"] == ["batch_size", heads, "past_sequence_length", head_dim]
+        assert dims["present.1.value"] == ["batch_size", heads, "total_sequence_length", head_dim]
+        assert dims["logits"] == ["batch_size", "sequence_length", config["vocab_size"]]
+        # float32 logits (Node has no Float16Array), cast from the fp16 graph's
+        logits = proto.graph.output[0]
+        assert logits.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+        cast = next(n for n in proto.graph.node if logits.name in n.output)
+        assert cast.op_type == "Cast"
+        internal = {v.name: v.type.tensor_type.elem_type for v in proto.graph.value_info}
+        assert internal[cast.input[0]] == onnx.TensorProto.FLOAT16
+        assert not any(d.dim_param.startswith("s") and d.dim_param[1:].isdigit()
+                       for v in proto.graph.value_info for d in v.type.tensor_type.shape.dim)  # no torch symbols left
     assert not any((gemma3[0] / "converted-onnx").glob("*.safetensors"))  # export onnx: no torch weights
     assert any((llama[0] / "converted").glob("*.safetensors"))  # convert --to onnx: both, side by side
 
@@ -116,7 +151,7 @@ def test_ort_greedy_matches_transformers_fp32(which, request):
     with torch.no_grad():
         want = fp32.generate(ids, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False)[0, ids.shape[1]:].tolist()
     got = OnnxDecoder(folder / ONNX_FILE).greedy(ids, GREEDY)
-    assert got == want
+    assert_greedy_equal(fp32, ids, got, want)
 
 
 def test_true_fp16_original_overflows_converted_matches_pytorch_fp16(gemma3):
@@ -131,7 +166,7 @@ def test_true_fp16_original_overflows_converted_matches_pytorch_fp16(gemma3):
     original = OnnxDecoder(root / "original-onnx" / ONNX_FILE, backend="reference").logits(ids)
     assert not np.isfinite(original).all()
     converted = OnnxDecoder(root / "converted-onnx" / ONNX_FILE, backend="reference").logits(ids)
-    assert converted.dtype == np.float16 and np.isfinite(converted).all()
+    assert converted.dtype == np.float32 and np.isfinite(converted).all()  # fp16 logits, cast at the end
     kl = mean_kl(ref, torch.from_numpy(converted).double())
     # measured: ONNX fp16 (reference evaluator) 2.5e-8, PyTorch fp16 2.2e-8, ORT 7.4e-9, bf16 1.2e-6 nats/token
     assert kl < 3 * torch_kl + 1e-9, (kl, torch_kl)
@@ -209,3 +244,45 @@ def test_bad_input(tmp_path, gemma3, capsys, monkeypatch):
     assert "OnnxExporter (torch.onnx dynamo) could not export gemma3_text (RuntimeError: Cannot trace" in " ".join(err.split())
     assert "traceback" not in err
     assert not any(tmp_path.glob("*onnx")) and not (tmp_path / "fails").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The real client: transformers.js 3.x and 4.x in Node (clients/js), loading the exported folder with no options
+# ----------------------------------------------------------------------------------------------------------------
+
+PROMPT = "The quick brown fox jumps over the lazy dog"  # 44 tokens with <bos>: past the tiny Gemma 3's sliding window
+needs_node = pytest.mark.skipif(jsclient.node_missing() is not None, reason=str(jsclient.node_missing()))
+
+
+def _exported(which: str, root):
+    return root / ("converted-onnx" if which == "gemma3" else "converted")
+
+
+def _fp32_reference(root, new_tokens: int):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "converted")
+    fp32 = AutoModelForCausalLM.from_pretrained(root / "converted", dtype=torch.float32).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = fp32.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+        logits = fp32(ids).logits.double()
+    return fp32, tokenizer, ids, want, logits
+
+
+@needs_node
+@pytest.mark.parametrize("lib", jsclient.VERSIONS)
+@pytest.mark.parametrize("which", ["gemma3", "llama"])
+def test_transformers_js_matches_transformers_fp32(which, lib, request, tmp_path):
+    """pipeline('text-generation') and AutoModelForCausalLM.generate in Node: the prompt encoded as transformers
+    encodes it (<bos> included), greedy tokens = transformers fp32, finite float32 logits close to fp32's."""
+    root, *_ = request.getfixturevalue(which)
+    fp32, tokenizer, ids, want, ref = _fp32_reference(root, GREEDY)
+    got = jsclient.run(_exported(which, root), lib, prompt=PROMPT, ids=ids[0].tolist(), new_tokens=GREEDY,
+                       logits_out=tmp_path / "logits.f32")
+    assert got["prompt_ids"] == ids[0].tolist()
+    assert_greedy_equal(fp32, ids, got["generate_ids"], want)
+    assert got["pipeline_text"] == tokenizer.decode(got["generate_ids"], skip_special_tokens=True)
+    assert got["logits"]["dtype"] == "float32" and got["logits"]["finite"]
+    logits = np.fromfile(tmp_path / "logits.f32", np.float32).reshape(got["logits"]["dims"])
+    assert mean_kl(ref, torch.from_numpy(logits).double()) < 1e-6  # measured 4e-9 (tiny Gemma 3, both versions)

@@ -210,6 +210,56 @@ def _rename_io(graph) -> None:
         raise HalfsafeError(f"unexpected graph inputs/outputs from {EXPORTER}: {odd[:4]} (please report this)")
 
 
+# The free dimensions as the onnx-community exports name them: transformers.js 4.x builds the empty KV cache from
+# the session's input shapes, `batch_size` resolved to the batch and every other name to 0.
+_DIM_NAMES = {
+    "input_ids": ("batch_size", "sequence_length"),
+    "attention_mask": ("batch_size", "total_sequence_length"),
+    "position_ids": ("batch_size", "sequence_length"),
+    "past_key_values": ("batch_size", None, "past_sequence_length", None),
+    "logits": ("batch_size", "sequence_length", None),
+    "present": ("batch_size", None, "total_sequence_length", None),
+}
+_SYMBOL = re.compile(r"\bs\d+\b")  # torch.export's symbols: s10, s54 + s70, ...
+
+
+def _name_dims(graph) -> None:
+    """Name the graph inputs' and outputs' free dimensions (`_DIM_NAMES`), and the same symbols in the values inside."""
+    import onnx_ir as ir
+
+    symbols: dict[str, str] = {}
+    for value in list(graph.inputs) + list(graph.outputs):
+        names = _DIM_NAMES[value.name.split(".")[0]]
+        dims = list(value.shape)
+        for i, name in enumerate(names):
+            if name is not None and not isinstance(dims[i], int):
+                if dims[i].value is not None and _SYMBOL.fullmatch(dims[i].value):
+                    symbols.setdefault(dims[i].value, name)
+                dims[i] = ir.SymbolicDim(name)
+        value.shape = ir.Shape(dims)
+    io = set(graph.inputs) | set(graph.outputs)
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for value in node.outputs:
+            if value.shape is None or value in io:
+                continue
+            dims = [d if isinstance(d, int) or d.value is None else ir.SymbolicDim(_SYMBOL.sub(lambda m: symbols.get(m.group(0), m.group(0)), d.value))
+                    for d in value.shape]
+            value.shape = ir.Shape(dims)
+
+
+def _float32_logits(graph) -> None:
+    """A Cast of the fp16 logits to float32 as the graph's `logits` (the fp16 graph is unchanged): transformers.js 3.x in
+    Node (no Float16Array) reads fp16 logits as their raw bits."""
+    import onnx_ir as ir
+
+    index = next(i for i, v in enumerate(graph.outputs) if v.name == "logits")
+    fp16 = graph.outputs[index]
+    fp16.name = "logits_fp16"
+    out = ir.Value(name="logits", shape=fp16.shape, type=ir.TensorType(ir.DataType.FLOAT))
+    graph.append(ir.node("Cast", [fp16], {"to": ir.DataType.FLOAT}, outputs=[out], name="halfsafe_logits_float32"))
+    graph.outputs[index] = out
+
+
 def export_program(model):
     """The fp16 ONNX graph (an `onnx_ir.Model`) of a causal LM, with a KV cache and transformers.js I/O names."""
     require_onnx()
@@ -230,6 +280,8 @@ def export_program(model):
         ) from None
     program = exported.program
     _rename_io(program.graph)
+    _name_dims(program.graph)
+    _float32_logits(program.graph)
     return program
 
 
@@ -278,10 +330,40 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 
 
 def _mark_config(folder: Path, external: bool) -> None:
-    """transformers.js reads its loading options from config.json: this export is fp16."""
+    """transformers.js reads its loading options from config.json: fp16 weights, an fp16 KV cache (3.x makes the
+    empty cache in the dtype it names, float32 if none), and the external data file when the weights are in one."""
     path = folder / "config.json"
     config = json.loads(path.read_text())
-    config["transformers.js_config"] = {"dtype": "fp16", **({"use_external_data_format": True} if external else {})}
+    js = {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
+    if external:
+        js["use_external_data_format"] = {Path(ONNX_FILE).name: True}
+    config["transformers.js_config"] = js
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _mark_tokenizer(folder: Path) -> None:
+    """transformers.js's text-generation pipeline adds special tokens only when tokenizer_config.json says
+    `add_bos_token` or `add_eos_token`; transformers adds what the tokenizer's post-processor adds (Gemma's <bos>).
+    Write the flags the tokenizer's own behaviour implies, so the client encodes a prompt as transformers does."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file() or not (folder / "tokenizer.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from ..loading import _first_line, quiet_transformers
+
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # a tokenizer transformers cannot load: nothing to match
+        log.warning(f"tokenizer in {folder} not loaded ({type(e).__name__}: {_first_line(e)}): add_bos_token not written")
+        return
+    plain = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    full = tokenizer("Hello")["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config = json.loads(path.read_text())
+    config["add_bos_token"] = bos is not None and full[:1] == [bos] and plain[:1] != [bos]
+    config["add_eos_token"] = eos is not None and full[-1:] == [eos] and plain[-1:] != [eos]
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -294,6 +376,7 @@ def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
         _copy_side_files(source, folder)
     if (folder / "config.json").is_file():
         _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
+    _mark_tokenizer(folder)
     return path
 
 
@@ -329,6 +412,7 @@ def add_onnx(folder: str | Path) -> OnnxExportReport:
         save_program(program, tmp / Path(ONNX_FILE).name)
     path = folder / ONNX_FILE
     _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
+    _mark_tokenizer(folder)
     warning = not_converted_warning(folder)
     return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
 

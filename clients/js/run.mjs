@@ -1,0 +1,59 @@
+// Runs an exported ONNX folder with transformers.js in Node, as a user would: from the local file system, no
+// options beyond the task (dtype and KV-cache dtype come from the folder's config.json).
+//
+// Usage: node run.mjs '<json>'   with   {"folder": DIR, "lib": "tjs3" | "tjs4", "prompt": TEXT, "ids": [..],
+//        "new_tokens": N, "task": "text-generation" | "text2text-generation", "logits_out": FILE (optional)}
+// Prints one JSON line: the library version, the prompt's tokens as the pipeline encodes them, the pipeline's
+// generated text, the greedy tokens of generate() after `ids`, and the logits of one forward pass over `ids`
+// (dtype, dims, finite; all of them written to `logits_out` as little-endian float32 when given).
+import fs from 'node:fs';
+import path from 'node:path';
+
+const args = JSON.parse(process.argv[2]);
+const lib = await import(args.lib);
+const { env, pipeline, AutoTokenizer, Tensor } = lib;
+env.allowRemoteModels = false;
+env.allowLocalModels = true;
+env.localModelPath = path.dirname(path.resolve(args.folder)) + path.sep;
+env.useFSCache = false;
+const id = path.basename(path.resolve(args.folder));
+const task = args.task ?? 'text-generation';
+const seq2seq = task === 'text2text-generation';
+const out = { lib: args.lib, version: env.version };
+const t0 = performance.now();
+
+const greedy = { max_new_tokens: args.new_tokens, min_new_tokens: args.new_tokens, do_sample: false };
+const pipe = await pipeline(task, id);
+out.load_s = (performance.now() - t0) / 1000;
+if (args.prompt !== undefined) {
+    const tokenizer = pipe.tokenizer;
+    // the rule the text-generation pipeline applies (seq2seq pipelines always add the special tokens)
+    const special = seq2seq ? true : ((tokenizer.add_bos_token || tokenizer.add_eos_token) ?? false);
+    out.prompt_ids = Array.from(tokenizer.encode(args.prompt, { add_special_tokens: special }));
+    const t = performance.now();
+    const result = await pipe(args.prompt, seq2seq ? greedy : { ...greedy, return_full_text: false });
+    out.pipeline_s = (performance.now() - t) / 1000;
+    out.pipeline_text = result[0].generated_text;
+}
+
+const model = pipe.model;
+if (args.ids) {
+    const ids = new Tensor('int64', BigInt64Array.from(args.ids.map(BigInt)), [1, args.ids.length]);
+    const mask = new Tensor('int64', new BigInt64Array(args.ids.length).fill(1n), [1, args.ids.length]);
+    const t = performance.now();
+    const generated = await model.generate({ input_ids: ids, attention_mask: mask, ...greedy });
+    out.generate_s = (performance.now() - t) / 1000;
+    const all = Array.from(generated.data, Number);
+    out.generate_ids = seq2seq ? all : all.slice(args.ids.length);
+    if (!seq2seq) {
+        const { logits } = await model({ input_ids: ids, attention_mask: mask });
+        const data = logits.data;
+        out.logits = { dtype: logits.type, dims: logits.dims, finite: Array.prototype.every.call(data, Number.isFinite) };
+        if (args.logits_out && data instanceof Float32Array) {
+            fs.writeFileSync(args.logits_out, Buffer.from(data.buffer, data.byteOffset, data.byteLength));
+        }
+    }
+}
+out.total_s = (performance.now() - t0) / 1000;
+await model.dispose();
+console.log(JSON.stringify(out));
