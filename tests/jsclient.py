@@ -59,6 +59,16 @@ def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def browser(url: str, timeout: float = 300) -> dict:
+    """clients/js/browser.mjs: `url` in headless Chromium; what the page reports (window.halfsafeResult) and its console."""
+    install()
+    done = subprocess.run(["node", str(CLIENTS / "browser.mjs"), url, str(int(timeout * 1000)), shutil.which("chromium") or "/usr/bin/chromium"],
+                          cwd=CLIENTS, capture_output=True, text=True, timeout=timeout + 60)
+    if done.returncode != 0:
+        raise RuntimeError(f"headless Chromium failed on {url}:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A tiny tokenizer: one token per character, Gemma's shape (spaces as "▁", <bos> added by the post-processor)
 # ----------------------------------------------------------------------------------------------------------------

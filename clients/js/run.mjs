@@ -15,7 +15,6 @@ const { env, pipeline, AutoTokenizer, Tensor } = lib;
 env.allowRemoteModels = false;
 env.allowLocalModels = true;
 env.localModelPath = path.dirname(path.resolve(args.folder)) + path.sep;
-env.useFSCache = false;
 const id = path.basename(path.resolve(args.folder));
 const task = args.task ?? 'text-generation';
 const seq2seq = task === 'text2text-generation';

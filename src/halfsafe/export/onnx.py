@@ -223,13 +223,14 @@ _DIM_NAMES = {
 _SYMBOL = re.compile(r"\bs\d+\b")  # torch.export's symbols: s10, s54 + s70, ...
 
 
-def _name_dims(graph) -> None:
-    """Name the graph inputs' and outputs' free dimensions (`_DIM_NAMES`), and the same symbols in the values inside."""
+def _name_dims(graph, table: dict = _DIM_NAMES) -> None:
+    """Name the graph inputs' and outputs' free dimensions (`table`: by full name, else by the name's first part),
+    and the same symbols in the values inside."""
     import onnx_ir as ir
 
     symbols: dict[str, str] = {}
     for value in list(graph.inputs) + list(graph.outputs):
-        names = _DIM_NAMES[value.name.split(".")[0]]
+        names = table.get(value.name) or table[value.name.split(".")[0]]
         dims = list(value.shape)
         for i, name in enumerate(names):
             if name is not None and not isinstance(dims[i], int):
@@ -329,14 +330,15 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _mark_config(folder: Path, external: bool) -> None:
+def _mark_config(folder: Path, external: bool | list[str]) -> None:
     """transformers.js reads its loading options from config.json: fp16 weights, an fp16 KV cache (3.x makes the
-    empty cache in the dtype it names, float32 if none), and the external data file when the weights are in one."""
+    empty cache in the dtype it names, float32 if none), and which files keep their weights in an external data
+    file (`external`: the .onnx file names, or True for `model_fp16.onnx`)."""
     path = folder / "config.json"
     config = json.loads(path.read_text())
     js = {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
     if external:
-        js["use_external_data_format"] = {Path(ONNX_FILE).name: True}
+        js["use_external_data_format"] = {name: True for name in (external if isinstance(external, list) else [Path(ONNX_FILE).name])}
     config["transformers.js_config"] = js
     path.write_text(json.dumps(config, indent=2) + "\n")
 
@@ -367,6 +369,54 @@ def _mark_tokenizer(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+_CARD_TITLE = "## fp16 ONNX (halfsafe export onnx)"
+_CONVERSION_TITLE = "## float16 conversion (halfsafe)"  # checkpoint._write_card's section
+
+
+def write_card(folder: Path, files: list[str], task: str = "text-generation") -> None:
+    """The model card's ONNX section: what the files are and how transformers.js and ONNX Runtime load them. In a
+    folder without PyTorch weights the conversion section (which says to load them with transformers) is cut down."""
+    path = folder / "README.md"
+    text = path.read_text() if path.is_file() else ""
+    torch_weights = any(folder.glob("*.safetensors"))
+    if not torch_weights and _CONVERSION_TITLE in text:
+        text = text[: text.index(_CONVERSION_TITLE)].rstrip() + "\n"
+    if _CARD_TITLE in text:
+        text = text[: text.index(_CARD_TITLE)].rstrip() + "\n"
+    name = folder.name
+    converted = (folder / "halfsafe.json").is_file()
+    sizes = ", ".join(f"`{f}` ({sum(p.stat().st_size for p in folder.glob(f + '*')) / 2**20:,.0f} MiB)" for f in files)
+    lines = [
+        "", _CARD_TITLE, "",
+        (f"Converted by halfsafe (an exact power-of-two rescaling; `halfsafe.json` lists every rescaled tensor), then "
+         if converted else "Not converted by halfsafe (no `halfsafe.json`): its fp16 activations may overflow. ")
+        + f"exported to float16 ONNX: {sizes}. fp16 weights, fp16 KV cache, no Clip nodes; float32 logits (a Cast at "
+        "the end of the graph). " + ("" if torch_weights else "There are no PyTorch weights here: load it with "
+                                     "transformers.js or ONNX Runtime, not transformers."),
+        "",
+        "transformers.js (Node or a browser; tested with 3.8.1 and 4.3.2 in Node 20, and on the WASM backend in Chromium):",
+        "",
+        "```js",
+        "import { env, pipeline } from '@huggingface/transformers';",
+        "env.allowRemoteModels = false;",
+        f"env.localModelPath = '/path/to/the/folder/above/{name}/';",
+        f"const generator = await pipeline('{task}', '{name}');  // fp16 and its KV cache dtype from config.json",
+        "const [out] = await generator('The quick brown fox', { max_new_tokens: 32, do_sample: false });",
+        "```",
+        "",
+        "Where npm cannot reach onnxruntime-node's download host, `npm install @huggingface/transformers --ignore-scripts`",
+        "installs it all the same (the CPU binaries are in the npm package).",
+        "",
+        "ONNX Runtime: " + ("`input_ids`, `attention_mask`, `position_ids` (int64) and an fp16 KV cache "
+                           "`past_key_values.{i}.key|value` [batch, kv_heads, past, head_dim] (empty at the start) -> `logits`, "
+                           "`present.{i}.key|value`." if task == "text-generation" else
+                           "the encoder (`input_ids`, `attention_mask` -> `last_hidden_state`), then the decoder (`input_ids`, "
+                           "`encoder_attention_mask`, `encoder_hidden_states`, fp16 `past_key_values.{i}.decoder.key|value`, "
+                           "empty at the start -> `logits`, `present.{i}.decoder|encoder.key|value`)."),
+    ]
+    path.write_text(text.rstrip() + "\n" + "\n".join(lines) + "\n")
+
+
 def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
     """Export `model` (all-fp16) into `folder/onnx/model_fp16.onnx`; copy `source`'s side files if given."""
     program = export_program(model)
@@ -377,7 +427,18 @@ def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
     if (folder / "config.json").is_file():
         _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
     _mark_tokenizer(folder)
+    write_card(folder, [ONNX_FILE])
     return path
+
+
+def exporter_for(folder: Path):
+    """The module that exports `folder`'s model: this one (decoder-only), or `onnx_seq2seq` (encoder-decoder)."""
+    import sys
+
+    from ..loading import read_config
+    from . import onnx_seq2seq
+
+    return onnx_seq2seq if onnx_seq2seq.is_seq2seq(read_config(folder)) else sys.modules[__name__]
 
 
 def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False) -> OnnxExportReport:
@@ -392,10 +453,11 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
         warning += "; " + scan_summary(folder)
     if warning:
         log.warning(warning)  # before the slow part
-    model = load_fp16(folder)
+    exporter = exporter_for(folder)
+    model = exporter.load_fp16(folder)
     with atomic_folder(out) as tmp:
-        write_onnx(model, tmp, source=folder)
-    return report_for(out / ONNX_FILE, model.config.model_type, converted=warning is None, warning=warning)
+        path = out / exporter.write_onnx(model, tmp, source=folder).relative_to(tmp)
+    return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
 
 
 def add_onnx(folder: str | Path) -> OnnxExportReport:
@@ -413,6 +475,7 @@ def add_onnx(folder: str | Path) -> OnnxExportReport:
     path = folder / ONNX_FILE
     _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
     _mark_tokenizer(folder)
+    write_card(folder, [ONNX_FILE])
     warning = not_converted_warning(folder)
     return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
 

@@ -1,0 +1,189 @@
+"""fp16 ONNX of an encoder-decoder model (T5 v1.1 / Flan-T5 / mT5, BART, Pegasus) in the transformers.js layout.
+
+Two graphs, each exported by transformers' OnnxExporter from the model loaded all-fp16, as `export/onnx.py` does
+for decoders:
+- `onnx/encoder_model_fp16.onnx`: input_ids, attention_mask -> last_hidden_state;
+- `onnx/decoder_model_merged_fp16.onnx`: input_ids (the decoder's), encoder_attention_mask, encoder_hidden_states,
+  past_key_values.{i}.decoder.key|value -> logits (float32, cast from fp16), present.{i}.decoder.key|value and
+  present.{i}.encoder.key|value.
+The decoder computes the cross-attention keys and values from encoder_hidden_states at every step (one matmul per
+layer over the encoder's length) instead of reading them back: one graph without optimum's `use_cache_branch`
+If node. transformers.js feeds a graph only the inputs it declares, and keeps the first step's
+present.{i}.encoder.* as the cross-attention cache, so the client runs it unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ..errors import HalfsafeError, UnsupportedModelError
+from . import onnx as base
+
+ENCODER_FILE = "onnx/encoder_model_fp16.onnx"
+DECODER_FILE = "onnx/decoder_model_merged_fp16.onnx"
+FAMILIES = ("t5", "mt5", "bart", "pegasus")  # model types transformers.js runs as Seq2Seq with these two files
+
+_ENCODER_DIMS = {
+    "input_ids": ("batch_size", "encoder_sequence_length"),
+    "attention_mask": ("batch_size", "encoder_sequence_length"),
+    "last_hidden_state": ("batch_size", "encoder_sequence_length", None),
+}
+_DECODER_DIMS = {
+    "input_ids": ("batch_size", "decoder_sequence_length"),
+    "encoder_attention_mask": ("batch_size", "encoder_sequence_length"),
+    "encoder_hidden_states": ("batch_size", "encoder_sequence_length", None),
+    "logits": ("batch_size", "decoder_sequence_length", None),
+    "past_key_values.decoder": ("batch_size", None, "past_decoder_sequence_length", None),
+    "present.decoder": ("batch_size", None, "total_decoder_sequence_length", None),
+    "present.encoder": ("batch_size", None, "encoder_sequence_length", None),
+}
+_CACHE = re.compile(r"^(?:input\.|output\.)?(?:cache|past_key_values)\.(self|cross)_attention_cache\.layers\.(\d+)\.(keys|values)$")
+
+
+def is_seq2seq(config) -> bool:
+    return bool(getattr(config, "is_encoder_decoder", False))
+
+
+def check_exportable(config) -> None:
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"{model_type} is an encoder-decoder model the ONNX export ({base.EXPORTER}) does not cover: it exports "
+            f"{', '.join(FAMILIES)} (transformers.js's encoder_model + decoder_model_merged layout)"
+        )
+
+
+def load_fp16(folder: Path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from ..loading import quiet_transformers, read_config
+    from ..runtime import load_pure_fp16
+
+    config = read_config(folder)
+    check_exportable(config)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
+    with quiet_transformers():
+        model = load_pure_fp16(AutoModelForSeq2SeqLM, folder, local_files_only=True)
+    return model.eval()
+
+
+def _kv(config) -> tuple[int, int, int]:
+    layers = getattr(config, "num_decoder_layers", None) or getattr(config, "decoder_layers", None) or config.num_layers
+    heads = getattr(config, "num_heads", None) or config.decoder_attention_heads
+    d_kv = getattr(config, "d_kv", None) or config.d_model // heads
+    return layers, heads, d_kv
+
+
+def _export(module, inputs: dict, shapes: dict, name: str):
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    from ..loading import _first_line, quiet_transformers
+
+    config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
+    try:
+        with quiet_transformers(), torch.no_grad():
+            return OnnxExporter().export(module, inputs, config).program
+    except HalfsafeError:
+        raise
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"{base.EXPORTER} could not export the {name} of {module.config.model_type} ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+
+
+def encoder_program(model, batch: int = 2, length: int = 5):
+    from torch.export import Dim
+
+    g = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(0, model.config.vocab_size, (batch, length), generator=g),
+              "attention_mask": torch.ones(batch, length, dtype=torch.long)}
+    auto = {0: Dim.AUTO, 1: Dim.AUTO}
+    program = _export(model.get_encoder(), inputs, {"input_ids": auto, "attention_mask": auto}, "encoder")
+    graph = program.graph
+    odd = [v.name for v in list(graph.inputs) + list(graph.outputs) if v.name not in _ENCODER_DIMS]
+    if odd:
+        raise HalfsafeError(f"unexpected encoder inputs/outputs from {base.EXPORTER}: {odd[:4]} (please report this)")
+    base._name_dims(graph, _ENCODER_DIMS)
+    return program
+
+
+def decoder_program(model, batch: int = 2, length: int = 5, past: int = 3, new: int = 2):
+    """The decoder with a self-attention cache; cross-attention keys and values computed from encoder_hidden_states."""
+    from torch.export import Dim
+    from transformers import DynamicCache, EncoderDecoderCache
+    from transformers.modeling_outputs import BaseModelOutput
+
+    layers, heads, d_kv = _kv(model.config)
+    g = torch.Generator().manual_seed(0)
+    dtype = next(model.parameters()).dtype
+    self_cache = DynamicCache()
+    for i in range(layers):
+        self_cache.update(torch.randn(batch, heads, past, d_kv, generator=g).to(dtype),
+                          torch.randn(batch, heads, past, d_kv, generator=g).to(dtype), i)
+    hidden = torch.randn(batch, length, model.config.d_model, generator=g).to(dtype)
+    inputs = {
+        "decoder_input_ids": torch.randint(0, model.config.vocab_size, (batch, new), generator=g),
+        "attention_mask": torch.ones(batch, length, dtype=torch.long),
+        "encoder_outputs": BaseModelOutput(last_hidden_state=hidden),
+        "past_key_values": EncoderDecoderCache(self_cache, DynamicCache()),
+    }
+    auto = {0: Dim.AUTO, 1: Dim.AUTO}
+    shapes = {"decoder_input_ids": auto, "attention_mask": auto, "encoder_outputs": [auto],
+              "past_key_values": [{0: Dim.AUTO, 2: Dim.AUTO}] * (2 * layers)}
+    program = _export(model, inputs, shapes, "decoder")
+    graph = program.graph
+    _rename_decoder_io(graph)
+    table = {**_DECODER_DIMS}
+    for v in list(graph.inputs) + list(graph.outputs):
+        parts = v.name.split(".")
+        if len(parts) == 4:  # past_key_values.{i}.decoder.key -> past_key_values.decoder
+            table[v.name] = _DECODER_DIMS[f"{parts[0]}.{parts[2]}"]
+    base._name_dims(graph, table)
+    base._float32_logits(graph)
+    return program
+
+
+def _rename_decoder_io(graph) -> None:
+    renames = {"decoder_input_ids": "input_ids", "attention_mask": "encoder_attention_mask",
+               "encoder_outputs.last_hidden_state": "encoder_hidden_states"}
+    for value in graph.inputs:
+        m = _CACHE.match(value.name)
+        if m:
+            value.name = f"past_key_values.{m.group(2)}.decoder.{'key' if m.group(3) == 'keys' else 'value'}"
+        elif value.name in renames:
+            value.name = renames[value.name]
+    # the encoder's output passed through is no output of transformers.js's decoder
+    for i in reversed(range(len(graph.outputs))):
+        if graph.outputs[i].name == "encoder_last_hidden_state":
+            graph.outputs.pop(i)
+    for value in graph.outputs:
+        m = _CACHE.match(value.name)
+        if m:
+            value.name = f"present.{m.group(2)}.{'decoder' if m.group(1) == 'self' else 'encoder'}.{'key' if m.group(3) == 'keys' else 'value'}"
+    names = [v.name for v in list(graph.inputs) + list(graph.outputs)]
+    expected = re.compile(r"^(input_ids|encoder_attention_mask|encoder_hidden_states|logits|"
+                          r"past_key_values\.\d+\.decoder\.(key|value)|present\.\d+\.(decoder|encoder)\.(key|value))$")
+    odd = [n for n in names if not expected.match(n)]
+    if odd:
+        raise HalfsafeError(f"unexpected decoder inputs/outputs from {base.EXPORTER}: {odd[:4]} (please report this)")
+
+
+def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
+    """Export `model` (all-fp16) into `folder/onnx/`: the encoder and the merged decoder; `source`'s side files."""
+    encoder = encoder_program(model)
+    base.save_program(encoder, folder / ENCODER_FILE)
+    del encoder
+    decoder = decoder_program(model)
+    base.save_program(decoder, folder / DECODER_FILE)
+    if source is not None:
+        base._copy_side_files(source, folder)
+    if (folder / "config.json").is_file():
+        external = [Path(f).name for f in (ENCODER_FILE, DECODER_FILE) if (folder / (f + base.EXTERNAL_DATA_SUFFIX)).exists()]
+        base._mark_config(folder, external)
+    base._mark_tokenizer(folder)
+    base.write_card(folder, [ENCODER_FILE, DECODER_FILE], task="text2text-generation")
+    return folder / DECODER_FILE
