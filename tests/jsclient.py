@@ -77,7 +77,8 @@ def browser(url: str, timeout: float = 300) -> dict:
 def save_char_tokenizer(folder, config) -> None:
     """tokenizer.json + tokenizer_config.json for a tiny model of `config.vocab_size` (256): its special tokens at
     the config's ids, the printable characters, and filler tokens up to the vocabulary size. No `add_bos_token` in
-    tokenizer_config.json (as in the real Gemma 3's), though the post-processor adds <bos>."""
+    tokenizer_config.json (as in the real Gemma 3's), though the post-processor adds <bos> (a decoder's) or </s>
+    after the text (an encoder-decoder's, as T5's)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -102,9 +103,12 @@ def save_char_tokenizer(folder, config) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
-    if "<bos>" in special:
+    if "<bos>" in special and not getattr(config, "is_encoder_decoder", False):
         tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
                                                            special_tokens=[("<bos>", special["<bos>"])])
+    elif "<eos>" in special:  # T5's: </s> after the text
+        tok.post_processor = processors.TemplateProcessing(single="$A <eos>", pair="$A <eos> $B <eos>",
+                                                           special_tokens=[("<eos>", special["<eos>"])])
     tokens = {f"{name}_token": f"<{name}>" for name in ("pad", "eos", "bos", "unk") if f"<{name}>" in special}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **tokens)
     fast.save_pretrained(folder)

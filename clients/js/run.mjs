@@ -5,7 +5,9 @@
 //        "new_tokens": N, "task": "text-generation" | "text2text-generation", "logits_out": FILE (optional)}
 // Prints one JSON line: the library version, the prompt's tokens as the pipeline encodes them, the pipeline's
 // generated text, the greedy tokens of generate() after `ids`, and the logits of one forward pass over `ids`
-// (dtype, dims, finite; all of them written to `logits_out` as little-endian float32 when given).
+// (dtype, dims, finite; all of them written to `logits_out` as little-endian float32 when given). For
+// text2text-generation, generate()'s tokens start with the decoder start token, and the forward pass takes them
+// as the decoder's input.
 import fs from 'node:fs';
 import path from 'node:path';
 
@@ -44,13 +46,13 @@ if (args.ids) {
     out.generate_s = (performance.now() - t) / 1000;
     const all = Array.from(generated.data, Number);
     out.generate_ids = seq2seq ? all : all.slice(args.ids.length);
-    if (!seq2seq) {
-        const { logits } = await model({ input_ids: ids, attention_mask: mask });
-        const data = logits.data;
-        out.logits = { dtype: logits.type, dims: logits.dims, finite: Array.prototype.every.call(data, Number.isFinite) };
-        if (args.logits_out && data instanceof Float32Array) {
-            fs.writeFileSync(args.logits_out, Buffer.from(data.buffer, data.byteOffset, data.byteLength));
-        }
+    // one forward pass over `ids` (an encoder-decoder's: `ids` encoded, the generated tokens as decoder input)
+    const { logits } = await model(seq2seq ? { input_ids: ids, attention_mask: mask, decoder_input_ids: generated }
+        : { input_ids: ids, attention_mask: mask });
+    const data = logits.data;
+    out.logits = { dtype: logits.type, dims: logits.dims, finite: Array.prototype.every.call(data, Number.isFinite) };
+    if (args.logits_out && data instanceof Float32Array) {
+        fs.writeFileSync(args.logits_out, Buffer.from(data.buffer, data.byteOffset, data.byteLength));
     }
 }
 out.total_s = (performance.now() - t0) / 1000;
