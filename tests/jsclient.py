@@ -29,6 +29,11 @@ def node_version() -> str:
     return subprocess.run(["node", "--version"], capture_output=True, text=True, check=True).stdout.strip()
 
 
+def chromium_version() -> str:
+    exe = shutil.which("chromium") or "/usr/bin/chromium"
+    return subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+
+
 def install() -> Path:
     """clients/js/node_modules, installed from the lock file once (again when the lock file changes)."""
     lock = CLIENTS / "package-lock.json"
