@@ -25,6 +25,14 @@ def node_missing() -> str | None:
     return None
 
 
+def chromium_missing() -> str | None:
+    """Why the web page cannot run here (a skip reason), or None."""
+    if shutil.which("chromium") is None:
+        return ("Debian's chromium not installed (scripts/setup installs it when run as root with apt-get; "
+                "else apt-get install chromium)")
+    return node_missing()
+
+
 def node_version() -> str:
     return subprocess.run(["node", "--version"], capture_output=True, text=True, check=True).stdout.strip()
 
@@ -67,7 +75,7 @@ def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = 
 def browser(url: str, timeout: float = 300) -> dict:
     """clients/js/browser.mjs: `url` in headless Chromium; what the page reports (window.halfsafeResult) and its console."""
     install()
-    done = subprocess.run(["node", str(CLIENTS / "browser.mjs"), url, str(int(timeout * 1000)), shutil.which("chromium") or "/usr/bin/chromium"],
+    done = subprocess.run(["node", str(CLIENTS / "browser.mjs"), url, str(int(timeout * 1000)), shutil.which("chromium")],
                           cwd=CLIENTS, capture_output=True, text=True, timeout=timeout + 60)
     if done.returncode != 0:
         raise RuntimeError(f"headless Chromium failed on {url}:\n{done.stderr[-4000:]}")

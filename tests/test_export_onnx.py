@@ -318,8 +318,7 @@ def test_transformers_js_external_data(llama, tmp_path, monkeypatch):
         assert external["generate_ids"] == inline["generate_ids"] and external["logits"]["finite"]
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None or jsclient.node_missing() is not None,
-                    reason="needs Debian's chromium and node (apt-get install chromium nodejs npm)")
+@pytest.mark.skipif(jsclient.chromium_missing() is not None, reason=str(jsclient.chromium_missing()))
 @pytest.mark.parametrize("lib", jsclient.VERSIONS)
 def test_web_page_in_headless_chromium(gemma3, lib):
     """examples/web served from localhost: transformers.js (from node_modules) runs the exported folder in Chromium
