@@ -55,7 +55,7 @@ def install() -> Path:
 
 
 def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = None, new_tokens: int = 16,
-        task: str = "text-generation", logits_out=None, timeout: float = 600) -> dict:
+        task: str = "text-generation", logits_out=None, pipeline_out=None, timeout: float = 600) -> dict:
     """clients/js/run.mjs on an exported folder: the pipeline's text, generate()'s greedy tokens, one forward's logits."""
     install()
     args = {"folder": str(folder), "lib": lib, "new_tokens": new_tokens, "task": task}
@@ -65,6 +65,8 @@ def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = 
         args["ids"] = [int(i) for i in ids]
     if logits_out is not None:
         args["logits_out"] = str(logits_out)
+    if pipeline_out is not None:
+        args["pipeline_out"] = str(pipeline_out)
     done = subprocess.run(["node", str(CLIENTS / "run.mjs"), json.dumps(args)], cwd=CLIENTS, capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:
@@ -130,3 +132,27 @@ def save_char_tokenizer(folder, config) -> None:
     for key in ("add_bos_token", "add_eos_token"):
         config_json.pop(key, None)
     path.write_text(json.dumps(config_json, indent=2) + "\n")
+
+
+def save_bert_char_tokenizer(folder, config) -> None:
+    """A BERT-style one-token-per-character tokenizer for a tiny encoder: [PAD] at the config's pad id, [UNK], [CLS],
+    [SEP], [MASK] (matched in the text as one token), "[CLS] $A [SEP]" added around every text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    names = ("pad", "unk", "cls", "sep", "mask")
+    ids = [config.pad_token_id] + [i for i in range(config.vocab_size) if i != config.pad_token_id][: len(names) - 1]
+    special = {f"[{n.upper()}]": i for n, i in zip(names, ids)}
+    free = iter(i for i in range(config.vocab_size) if i not in special.values())
+    vocab = dict(special)
+    for c in ["▁"] + [c for c in string.printable if c not in " \t\n\r\x0b\x0c"]:
+        vocab[c] = next(free)
+    for i in free:
+        vocab[f"<t{i}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", special["[CLS]"]), ("[SEP]", special["[SEP]"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **{f"{n}_token": f"[{n.upper()}]" for n in names})
+    fast.save_pretrained(folder)

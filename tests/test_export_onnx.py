@@ -232,8 +232,10 @@ def test_bad_input(tmp_path, gemma3, capsys, monkeypatch):
     save_tiny("t5gemma", tmp_path / "t5gemma")  # an encoder-decoder family transformers.js has no layout for
     with pytest.raises(UnsupportedModelError, match="OnnxExporter.*does not cover.*exports t5, mt5"):
         export_onnx(tmp_path / "t5gemma", tmp_path / "t5gemma-onnx")
-    save_tiny("bert", tmp_path / "bert")  # BertForMaskedLM: no text generation
-    assert main(["export", "onnx", str(tmp_path / "bert"), str(tmp_path / "bert-onnx")]) == 2
+    save_tiny("llama", tmp_path / "llama-cls")  # a decoder with a classifier head: no text generation
+    config = json.loads((tmp_path / "llama-cls" / "config.json").read_text())
+    (tmp_path / "llama-cls" / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    assert main(["export", "onnx", str(tmp_path / "llama-cls"), str(tmp_path / "llama-cls-onnx")]) == 2
     err = capsys.readouterr().err
     assert "OnnxExporter" in err and "not a causal LM" in err
     # an architecture the exporter fails on: one line naming the exporter, no OUT left behind

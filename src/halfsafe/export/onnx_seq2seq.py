@@ -174,18 +174,15 @@ def _rename_decoder_io(graph) -> None:
         raise HalfsafeError(f"unexpected decoder inputs/outputs from {base.EXPORTER}: {odd[:4]} (please report this)")
 
 
-def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
-    """Export `model` (all-fp16) into `folder/onnx/`: the encoder and the merged decoder; `source`'s side files."""
-    encoder = encoder_program(model)
-    base.save_program(encoder, folder / ENCODER_FILE)
-    del encoder
-    decoder = decoder_program(model)
-    base.save_program(decoder, folder / DECODER_FILE)
-    if source is not None:
-        base._copy_side_files(source, folder)
+def programs(model):
+    """The encoder, then the merged decoder (one graph in memory at a time)."""
+    yield ENCODER_FILE, encoder_program(model)
+    yield DECODER_FILE, decoder_program(model)
+
+
+def finish(folder: Path) -> None:
     if (folder / "config.json").is_file():
         external = [Path(f).name for f in (ENCODER_FILE, DECODER_FILE) if (folder / (f + base.EXTERNAL_DATA_SUFFIX)).exists()]
         base._mark_config(folder, external)
     base._mark_tokenizer(folder)
     base.write_card(folder, [ENCODER_FILE, DECODER_FILE], task="text2text-generation")
-    return folder / DECODER_FILE
