@@ -232,6 +232,9 @@ def test_bad_input(tmp_path, gemma3, capsys, monkeypatch):
     save_tiny("t5gemma", tmp_path / "t5gemma")  # an encoder-decoder family transformers.js has no layout for
     with pytest.raises(UnsupportedModelError, match="OnnxExporter.*does not cover.*exports t5, mt5"):
         export_onnx(tmp_path / "t5gemma", tmp_path / "t5gemma-onnx")
+    # convert --to onnx refuses it before converting: nothing written
+    assert main(["convert", str(tmp_path / "t5gemma"), str(tmp_path / "t5gemma-out"), "--to", "onnx"]) == 2
+    assert "does not cover" in capsys.readouterr().err and not (tmp_path / "t5gemma-out").exists()
     save_tiny("llama", tmp_path / "llama-cls")  # a decoder with a classifier head: no text generation
     config = json.loads((tmp_path / "llama-cls" / "config.json").read_text())
     (tmp_path / "llama-cls" / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
@@ -352,7 +355,8 @@ SEQ2SEQ_PROMPT = "translate: the quick brown fox"
 
 @pytest.fixture(scope="module")
 def t5(tmp_path_factory):
-    """A tiny T5 v1.1, converted by halfsafe and exported. Its random head favours the pad token (0) by ~14 nats
+    """A tiny T5 v1.1, converted with `halfsafe convert --to onnx` (weights and ONNX side by side), then exported
+    from there by `halfsafe export onnx` (ONNX only). Its random head favours the pad token (0) by ~14 nats
     everywhere; that row is zeroed so that greedy decoding picks other tokens."""
     root = tmp_path_factory.mktemp("t5")
     model = make_tiny("t5-v1_1")
@@ -360,7 +364,8 @@ def t5(tmp_path_factory):
         model.lm_head.weight[model.config.pad_token_id] = 0
     model.to(torch.bfloat16).save_pretrained(root / "original")
     save_char_tokenizer(root / "original", model.config)
-    convert_checkpoint(str(root / "original"), str(root / "converted"), seq_len=32, max_samples=2, progress=False)
+    assert main(["convert", str(root / "original"), str(root / "converted"), "--seq-len", "32", "--max-samples", "2",
+                 "--to", "onnx"]) == 0
     report = export_onnx(root / "converted", root / "converted-onnx")
     return root, report
 
@@ -372,8 +377,14 @@ def test_seq2seq_layout(t5):
 
     assert report.path == str(folder / DECODER_FILE) and report.clip_nodes == 0 and report.converted
     assert not any(folder.glob("*.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
-    assert config["transformers.js_config"] == {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
+    both = root / "converted"  # convert --to onnx: the same two graphs beside the weights
+    assert any(both.glob("*.safetensors")) and (both / "halfsafe.json").is_file()
+    assert [inspect_file(both / f)["inputs"] for f in (ENCODER_FILE, DECODER_FILE)] == \
+        [inspect_file(folder / f)["inputs"] for f in (ENCODER_FILE, DECODER_FILE)]
+    assert "text2text-generation" in (both / "README.md").read_text()
+    for f in (folder, both):
+        config = json.loads((f / "config.json").read_text())
+        assert config["transformers.js_config"] == {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
     layers = config["num_decoder_layers"]
     encoder = inspect_file(folder / ENCODER_FILE)
     assert encoder["inputs"] == ["input_ids", "attention_mask"] and encoder["outputs"] == ["last_hidden_state"]
@@ -392,7 +403,8 @@ def test_seq2seq_layout(t5):
 
 @needs_node
 @pytest.mark.parametrize("lib", jsclient.VERSIONS)
-def test_transformers_js_seq2seq_matches_transformers_fp32(t5, lib, tmp_path):
+@pytest.mark.parametrize("where", ["converted-onnx", "converted"])  # export onnx; convert --to onnx
+def test_transformers_js_seq2seq_matches_transformers_fp32(t5, where, lib, tmp_path):
     """pipeline('text2text-generation') and generate() of the exported T5 in Node = transformers fp32."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -404,7 +416,7 @@ def test_transformers_js_seq2seq_matches_transformers_fp32(t5, lib, tmp_path):
         want = fp32.generate(ids, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False)
         ref = fp32(input_ids=ids, decoder_input_ids=want).logits.double()
     assert len(set(want[0].tolist())) > 1  # not the pad token throughout
-    got = jsclient.run(root / "converted-onnx", lib, prompt=SEQ2SEQ_PROMPT, ids=ids[0].tolist(), new_tokens=GREEDY,
+    got = jsclient.run(root / where, lib, prompt=SEQ2SEQ_PROMPT, ids=ids[0].tolist(), new_tokens=GREEDY,
                        task="text2text-generation", logits_out=tmp_path / "logits.f32")
     assert got["prompt_ids"] == ids[0].tolist()  # </s> appended, as transformers does
     assert got["generate_ids"] == want[0].tolist()

@@ -491,6 +491,15 @@ def exporter_for(folder: Path):
     return sys.modules[__name__]
 
 
+def check_folder_exportable(folder: str | Path) -> None:
+    """Refuse, before `convert --to onnx` spends its time converting, a local model the export does not cover."""
+    from ..loading import read_config
+
+    folder = Path(folder).expanduser()
+    if (folder / "config.json").is_file():
+        exporter_for(folder).check_exportable(read_config(folder))
+
+
 def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False) -> OnnxExportReport:
     """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder."""
     from ..checkpoint import atomic_folder, check_out_dir
