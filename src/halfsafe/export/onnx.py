@@ -393,9 +393,10 @@ _CARD_IO = {
 }
 
 
-def write_card(folder: Path, files: list[str], task: str = "text-generation") -> None:
-    """The model card's ONNX section: what the files are and how transformers.js and ONNX Runtime load them. In a
-    folder without PyTorch weights the conversion section (which says to load them with transformers) is cut down."""
+def write_card(folder: Path, files: list[str], task: str = "text-generation", no_js_class: str | None = None) -> None:
+    """The model card's ONNX section: what the files are and how transformers.js and ONNX Runtime load them
+    (`no_js_class`: the model type transformers.js has no class for, then ONNX Runtime only). In a folder without
+    PyTorch weights the conversion section (which says to load them with transformers) is cut down."""
     path = folder / "README.md"
     text = path.read_text() if path.is_file() else ""
     torch_weights = any(folder.glob("*.safetensors"))
@@ -416,23 +417,27 @@ def write_card(folder: Path, files: list[str], task: str = "text-generation") ->
         + f"exported to float16 ONNX: {sizes}. fp16 weights{', fp16 KV cache' if generates else ''}, no Clip nodes; "
         f"float32 {output} (a Cast at the end of the graph). " + ("" if torch_weights else "There are no PyTorch weights here: load it with "
                                                                  "transformers.js or ONNX Runtime, not transformers."),
-        "",
-        "transformers.js (Node or a browser; tested with 3.8.1 and 4.3.2 in Node 20"
-        + (", and on the WASM backend in Chromium" if task == "text-generation" else "") + "):",
-        "",
-        "```js",
-        "import { env, pipeline } from '@huggingface/transformers';",
-        "env.allowRemoteModels = false;",
-        f"env.localModelPath = '/path/to/the/folder/above/{name}/';",
-        f"const pipe = await pipeline('{task}', '{name}');  // fp16 from config.json",
-        _CARD_CALLS[task].replace("{mask}", mask),
-        "```",
-        "",
-        "Where npm cannot reach onnxruntime-node's download host, `npm install @huggingface/transformers --ignore-scripts`",
-        "installs it all the same (the CPU binaries are in the npm package).",
-        "",
-        "ONNX Runtime: " + _CARD_IO[task],
     ]
+    if no_js_class:
+        lines += ["", f"transformers.js (3.8.1, 4.3.2) has no model class for {no_js_class}: run it with ONNX Runtime."]
+    else:
+        lines += [
+            "",
+            "transformers.js (Node or a browser; tested with 3.8.1 and 4.3.2 in Node 20"
+            + (", and on the WASM backend in Chromium" if task == "text-generation" else "") + "):",
+            "",
+            "```js",
+            "import { env, pipeline } from '@huggingface/transformers';",
+            "env.allowRemoteModels = false;",
+            f"env.localModelPath = '/path/to/the/folder/above/{name}/';",
+            f"const pipe = await pipeline('{task}', '{name}');  // fp16 from config.json",
+            _CARD_CALLS[task].replace("{mask}", mask),
+            "```",
+            "",
+            "Where npm cannot reach onnxruntime-node's download host, `npm install @huggingface/transformers --ignore-scripts`",
+            "installs it all the same (the CPU binaries are in the npm package).",
+        ]
+    lines += ["", "ONNX Runtime: " + _CARD_IO[task]]
     path.write_text(text.rstrip() + "\n" + "\n".join(lines) + "\n")
 
 

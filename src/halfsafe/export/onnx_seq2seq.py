@@ -1,4 +1,4 @@
-"""fp16 ONNX of an encoder-decoder model (T5 v1.1 / Flan-T5 / mT5) in the transformers.js layout.
+"""fp16 ONNX of an encoder-decoder model (T5 v1.1 / Flan-T5 / mT5, BART, Pegasus) in the transformers.js layout.
 
 Two graphs, each exported by transformers' OnnxExporter from the model loaded all-fp16, as `export/onnx.py` does
 for decoders:
@@ -10,12 +10,25 @@ The decoder computes the cross-attention keys and values from encoder_hidden_sta
 layer over the encoder's length) instead of reading them back: one graph without optimum's `use_cache_branch`
 If node. transformers.js feeds a graph only the inputs it declares, and keeps the first step's
 present.{i}.encoder.* as the cross-attention cache, so the client runs it unchanged.
+
+BART's encoder layers end in an overflow fallback, `if fp16 and not torch.isfinite(h).all(): h = clamp(h, +-64504)`
+(transformers/models/bart/modeling_bart.py, BartEncoderLayer.forward): a branch on the data, which torch.export cannot
+trace (GuardOnDataDependentSymNode: Eq(u0, 1)). The graph is exported as that branch runs on finite activations, not
+taken (`_finite_activations`): on a converted model, which does not overflow, it computes what transformers computes;
+an unconverted one that overflows gives inf where transformers would clamp. Pegasus's encoder layers clamp to
++-64504 in fp16 unconditionally; the graph keeps those Clip nodes, as transformers computes them (they bind only
+on activations past 64504, which a converted model does not reach).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import sys
+import types
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -24,9 +37,9 @@ from . import onnx as base
 
 ENCODER_FILE = "onnx/encoder_model_fp16.onnx"
 DECODER_FILE = "onnx/decoder_model_merged_fp16.onnx"
-# model types transformers.js runs as Seq2Seq with these two files. BART and Pegasus are not among them yet: torch.export
-# stops in their encoder on a data-dependent guard (Eq(u0, 1)) with transformers 5.24 and torch 2.13.
-FAMILIES = ("t5", "mt5")
+# model types exported in this layout; transformers.js (3.8.1, 4.3.2) runs all but Pegasus, which it has no class for
+FAMILIES = ("t5", "mt5", "bart", "pegasus")
+NO_JS_CLASS = ("pegasus",)
 
 _ENCODER_DIMS = {
     "input_ids": ("batch_size", "encoder_sequence_length"),
@@ -80,6 +93,33 @@ def _kv(config) -> tuple[int, int, int]:
     return layers, heads, d_kv
 
 
+class _AllFinite:
+    def all(self) -> bool:
+        return True
+
+
+class _TorchFiniteActivations(types.ModuleType):
+    """torch, but `torch.isfinite(x).all()` is True: in a modeling module's namespace while it is exported."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def isfinite(x):
+        return _AllFinite()
+
+
+@contextmanager
+def _finite_activations(module):
+    """Export `module` as its overflow fallbacks (`if not torch.isfinite(h).all(): clamp`) run on finite activations."""
+    modeling = sys.modules[type(module).__module__]
+    if getattr(modeling, "torch", None) is not torch:
+        yield
+        return
+    with mock.patch.object(modeling, "torch", _TorchFiniteActivations("torch")):
+        yield
+
+
 def _export(module, inputs: dict, shapes: dict, name: str):
     from transformers.exporters import OnnxConfig, OnnxExporter
 
@@ -87,7 +127,7 @@ def _export(module, inputs: dict, shapes: dict, name: str):
 
     config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
     try:
-        with quiet_transformers(), torch.no_grad():
+        with quiet_transformers(), torch.no_grad(), _finite_activations(module):
             return OnnxExporter().export(module, inputs, config).program
     except HalfsafeError:
         raise
@@ -185,4 +225,43 @@ def finish(folder: Path) -> None:
         external = [Path(f).name for f in (ENCODER_FILE, DECODER_FILE) if (folder / (f + base.EXTERNAL_DATA_SUFFIX)).exists()]
         base._mark_config(folder, external)
     base._mark_tokenizer(folder)
-    base.write_card(folder, [ENCODER_FILE, DECODER_FILE], task="text2text-generation")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type") if (folder / "config.json").is_file() else None
+    base.write_card(folder, [ENCODER_FILE, DECODER_FILE], task="text2text-generation",
+                    no_js_class=model_type if model_type in NO_JS_CLASS else None)
+
+
+class OnnxSeq2Seq:
+    """The two graphs `programs` writes, run by ONNX Runtime (CPU): the encoder once, then the decoder token by token."""
+
+    def __init__(self, folder) -> None:
+        import onnxruntime as ort
+
+        folder = Path(folder)
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.encoder = ort.InferenceSession(str(folder / ENCODER_FILE), opts, providers=["CPUExecutionProvider"])
+        self.decoder = ort.InferenceSession(str(folder / DECODER_FILE), opts, providers=["CPUExecutionProvider"])
+        self.cache_names = [i.name for i in self.decoder.get_inputs() if i.name.startswith("past_key_values.")]
+        shape = next(i.shape for i in self.decoder.get_inputs() if i.name == self.cache_names[0])
+        self.heads, self.head_dim = shape[1], shape[3]
+
+    def greedy(self, ids, start: int, new_tokens: int):
+        """Greedy decoder tokens (after `start`, the decoder start token) for the encoder input `ids` [1, seq], and
+        each step's logits [new_tokens, vocab]."""
+        import numpy as np
+
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        mask = np.ones_like(ids)
+        hidden = self.encoder.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        cache = {n: np.zeros((1, self.heads, 0, self.head_dim), np.float16) for n in self.cache_names}
+        names = [o.name for o in self.decoder.get_outputs()]
+        token, out, logits = start, [], []
+        for _ in range(new_tokens):
+            feed = {"input_ids": np.array([[token]], np.int64), "encoder_attention_mask": mask,
+                    "encoder_hidden_states": hidden, **cache}
+            outs = dict(zip(names, self.decoder.run(None, feed)))
+            logits.append(outs["logits"][0, -1])
+            token = int(np.argmax(logits[-1]))
+            out.append(token)
+            cache = {n: outs[n.replace("past_key_values", "present")] for n in self.cache_names}
+        return out, np.stack(logits)
