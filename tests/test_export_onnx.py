@@ -418,6 +418,7 @@ def test_seq2seq_layout(seq2seq, key):
     card = (folder / "README.md").read_text()
     assert "load it with plain transformers" not in card
     assert ("has no model class for pegasus" in card) == (key == "pegasus")
+    assert ("no Clip nodes" in card) == (key != "pegasus") and ("2 Clip nodes" in card) == (key == "pegasus")
     assert ("pipeline('text2text-generation'" in card) == (key != "pegasus")
 
 

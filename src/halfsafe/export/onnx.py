@@ -410,11 +410,13 @@ def write_card(folder: Path, files: list[str], task: str = "text-generation", no
     generates = task in ("text-generation", "text2text-generation")
     output = "logits" if task != "feature-extraction" else "last_hidden_state"
     mask = _tokenizer_field(folder, "mask_token") or "[MASK]"
+    n_clip = sum(inspect_file(folder / f)["clip_nodes"] for f in files)
+    clips = f"{n_clip} Clip nodes, the modeling code's own fp16 clamp (none added)" if n_clip else "no Clip nodes"
     lines = [
         "", _CARD_TITLE, "",
         (f"Converted by halfsafe (an exact power-of-two rescaling; `halfsafe.json` lists every rescaled tensor), then "
          if converted else "Not converted by halfsafe (no `halfsafe.json`): its fp16 activations may overflow. ")
-        + f"exported to float16 ONNX: {sizes}. fp16 weights{', fp16 KV cache' if generates else ''}, no Clip nodes; "
+        + f"exported to float16 ONNX: {sizes}. fp16 weights{', fp16 KV cache' if generates else ''}, {clips}; "
         f"float32 {output} (a Cast at the end of the graph). " + ("" if torch_weights else "There are no PyTorch weights here: load it with "
                                                                  "transformers.js or ONNX Runtime, not transformers."),
     ]
