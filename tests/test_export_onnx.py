@@ -31,12 +31,14 @@ from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.errors import UnsupportedModelError  # noqa: E402
 from halfsafe.export.onnx import (  # noqa: E402
     ONNX_FILE,
+    report_for,
     OnnxDecoder,
     add_residual_clamps,
     export_onnx,
     inspect_file,
     residual_adds,
 )
+from halfsafe.export.onnx_seq2seq import DECODER_FILE, ENCODER_FILE  # noqa: E402
 from halfsafe.families import family_for  # noqa: E402
 from halfsafe.groups import expand  # noqa: E402
 from halfsafe.layers import find_blocks  # noqa: E402
@@ -358,10 +360,10 @@ ENCODER_CLIPS = {"t5-v1_1": 0, "bart": 0, "pegasus": 2}
 
 @pytest.fixture(scope="module")
 def seq2seq(tmp_path_factory):
-    """key -> (root, report): a tiny encoder-decoder, converted by halfsafe and exported (built on first use). T5 is
-    converted with `halfsafe convert --to onnx` (weights and ONNX side by side), then exported from there by
-    `halfsafe export onnx` (ONNX only). The random heads favour the pad token by many nats everywhere; that row is
-    zeroed so that greedy decoding picks other tokens."""
+    """key -> (root, folder, report): a tiny encoder-decoder, converted by halfsafe and exported (built on first use):
+    T5 by `halfsafe convert --to onnx` (weights and ONNX side by side in root/converted), BART and Pegasus by
+    `halfsafe export onnx` (ONNX only, root/converted-onnx). The random heads favour the pad token by many nats
+    everywhere; that row is zeroed so that greedy decoding picks other tokens."""
     built = {}
 
     def get(key: str):
@@ -375,9 +377,13 @@ def seq2seq(tmp_path_factory):
             if key == "t5-v1_1":
                 assert main(["convert", str(root / "original"), str(root / "converted"), "--seq-len", "32",
                              "--max-samples", "2", "--to", "onnx"]) == 0
+                folder = root / "converted"
+                report = report_for(folder / DECODER_FILE, key, converted=(folder / "halfsafe.json").is_file())
             else:
                 convert_checkpoint(str(root / "original"), str(root / "converted"), seq_len=32, max_samples=2, progress=False)
-            built[key] = root, export_onnx(root / "converted", root / "converted-onnx")
+                folder = root / "converted-onnx"
+                report = export_onnx(root / "converted", folder)
+            built[key] = root, folder, report
         return built[key]
 
     return get
@@ -385,20 +391,12 @@ def seq2seq(tmp_path_factory):
 
 @pytest.mark.parametrize("key", SEQ2SEQ)
 def test_seq2seq_layout(seq2seq, key):
-    root, report = seq2seq(key)
-    folder = root / "converted-onnx"
-    from halfsafe.export.onnx_seq2seq import DECODER_FILE, ENCODER_FILE, _kv
+    root, folder, report = seq2seq(key)
+    from halfsafe.export.onnx_seq2seq import _kv
 
     assert report.path == str(folder / DECODER_FILE) and report.clip_nodes == 0 and report.converted
-    assert not any(folder.glob("*.safetensors"))
-    if key == "t5-v1_1":
-        both = root / "converted"  # convert --to onnx: the same two graphs beside the weights
-        assert any(both.glob("*.safetensors")) and (both / "halfsafe.json").is_file()
-        assert [inspect_file(both / f)["inputs"] for f in (ENCODER_FILE, DECODER_FILE)] == \
-            [inspect_file(folder / f)["inputs"] for f in (ENCODER_FILE, DECODER_FILE)]
-        assert "text2text-generation" in (both / "README.md").read_text()
-        config = json.loads((both / "config.json").read_text())
-        assert config["transformers.js_config"] == {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
+    # export onnx: no torch weights; convert --to onnx (T5): the two graphs beside the weights
+    assert any(folder.glob("*.safetensors")) == (key == "t5-v1_1") and (folder / "halfsafe.json").is_file()
     config = json.loads((folder / "config.json").read_text())
     assert config["transformers.js_config"] == {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
     from halfsafe.loading import read_config
@@ -416,7 +414,7 @@ def test_seq2seq_layout(seq2seq, key):
     assert dims["past_key_values.1.decoder.key"][0] == "batch_size" and dims["present.0.encoder.value"][2] == "encoder_sequence_length"
     assert proto.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     card = (folder / "README.md").read_text()
-    assert "load it with plain transformers" not in card
+    assert ("load it with plain transformers" in card) == (key == "t5-v1_1")  # only beside torch weights
     assert ("has no model class for pegasus" in card) == (key == "pegasus")
     assert ("no Clip nodes" in card) == (key != "pegasus") and ("2 Clip nodes" in card) == (key == "pegasus")
     assert ("pipeline('text2text-generation'" in card) == (key != "pegasus")
@@ -430,7 +428,7 @@ def test_ort_seq2seq_greedy_matches_transformers_fp32(seq2seq, key):
 
     from halfsafe.export.onnx_seq2seq import OnnxSeq2Seq
 
-    root, _ = seq2seq(key)
+    root, folder, _ = seq2seq(key)
     fp32 = AutoModelForSeq2SeqLM.from_pretrained(root / "converted", dtype=torch.float32).eval()
     ids = tiny_ids(fp32, 12)
     start = fp32.config.decoder_start_token_id
@@ -439,7 +437,7 @@ def test_ort_seq2seq_greedy_matches_transformers_fp32(seq2seq, key):
         for _ in range(GREEDY):
             ref.append(fp32(input_ids=ids, decoder_input_ids=torch.tensor([seq])).logits[0, -1].double())
             seq.append(int(ref[-1].argmax()))
-    tokens, logits = OnnxSeq2Seq(root / "converted-onnx").greedy(ids, start, GREEDY)
+    tokens, logits = OnnxSeq2Seq(folder).greedy(ids, start, GREEDY)
     assert tokens == seq[1:] and np.isfinite(logits).all()
     kl = mean_kl(torch.stack(ref)[None], torch.from_numpy(logits).double()[None])
     assert kl < 5e-6, kl  # measured 8.6e-7 (T5 v1.1), 1.3e-12 (BART), 4.5e-12 (Pegasus)
@@ -447,13 +445,12 @@ def test_ort_seq2seq_greedy_matches_transformers_fp32(seq2seq, key):
 
 @needs_node
 @pytest.mark.parametrize("lib", jsclient.VERSIONS)
-@pytest.mark.parametrize("key, where", [("t5-v1_1", "converted-onnx"), ("t5-v1_1", "converted"),  # export; convert --to
-                                        ("bart", "converted-onnx")])  # transformers.js has no Pegasus class
-def test_transformers_js_seq2seq_matches_transformers_fp32(seq2seq, key, where, lib, tmp_path):
+@pytest.mark.parametrize("key", ["t5-v1_1", "bart"])  # transformers.js has no Pegasus class
+def test_transformers_js_seq2seq_matches_transformers_fp32(seq2seq, key, lib, tmp_path):
     """pipeline('text2text-generation') and generate() of the exported model in Node = transformers fp32."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    root, _ = seq2seq(key)
+    root, folder, _ = seq2seq(key)
     tokenizer = AutoTokenizer.from_pretrained(root / "converted")
     fp32 = AutoModelForSeq2SeqLM.from_pretrained(root / "converted", dtype=torch.float32).eval()
     ids = tokenizer(SEQ2SEQ_PROMPT, return_tensors="pt").input_ids
@@ -461,7 +458,7 @@ def test_transformers_js_seq2seq_matches_transformers_fp32(seq2seq, key, where, 
         want = fp32.generate(ids, max_new_tokens=GREEDY, min_new_tokens=GREEDY, do_sample=False)
         ref = fp32(input_ids=ids, decoder_input_ids=want).logits.double()
     assert len(set(want[0].tolist())) > 1  # not the pad token throughout
-    got = jsclient.run(root / where, lib, prompt=SEQ2SEQ_PROMPT, ids=ids[0].tolist(), new_tokens=GREEDY,
+    got = jsclient.run(folder, lib, prompt=SEQ2SEQ_PROMPT, ids=ids[0].tolist(), new_tokens=GREEDY,
                        task="text2text-generation", logits_out=tmp_path / "logits.f32")
     assert got["prompt_ids"] == ids[0].tolist()  # </s> appended, as transformers does
     assert got["generate_ids"] == want[0].tolist()
