@@ -121,9 +121,10 @@ def cmd_convert(args) -> int:
     from .plots import plot_layer_peaks
 
     if args.to == "onnx":
-        from .export.onnx import require_onnx
+        from .export.onnx import check_folder_exportable, require_onnx
 
         require_onnx()  # fail before the slow part
+        check_folder_exportable(args.model)
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
