@@ -5,6 +5,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+if os.environ.get("HALFSAFE_TEST_THREADS"):  # scripts/test runs the streamed/whole comparisons at 1 thread too
+    import torch
+
+    torch.set_num_threads(int(os.environ["HALFSAFE_TEST_THREADS"]))
 sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
 
 

@@ -181,3 +181,28 @@ def make_stress(model: nn.Module, run, margin_bits: float = 2.0, start: int = 12
 
 def log2_ratio(a: float, b: float) -> float:
     return math.log2(a / b)
+
+
+@torch.no_grad()
+def grow_t5_stacks(model, run, margin_bits: float = 2.0, massive_bits: float = 4.0) -> int:
+    """A T5 with an untied head, at real depth (12+ blocks per stack), grown as bf16 training grows T5's: massive
+    channels written by the feed-forwards, larger along each stack (block i of L: the channels' wo rows x
+    2**(massive_bits (i+1) / L)), then the whole residual stream scaled by 2**k, the smallest k that passes 65504
+    by `margin_bits`, with every weight under 65504. The 2**k is exact, written here from T5's modeling file (the
+    shared embedding and every o and wo x 2**k, every T5LayerNorm eps x 4**k: each norm's output and the logits stay
+    what they were), so the function differs from the random model only by the massive channels. Returns k."""
+    assert model.lm_head.weight is not model.shared.weight, "a tied head would need the final norm's gain too"
+    for stack in (model.encoder, model.decoder):
+        for i, block in enumerate(stack.block):
+            block.layer[-1].DenseReluDense.wo.weight[list(CHANNELS)] *= 2.0 ** (massive_bits * (i + 1) / len(stack.block))
+    k = math.ceil(math.log2(FP16_MAX * 2.0 ** margin_bits / activation_peak(model, run)))
+    model.shared.weight *= 2.0 ** k
+    for name, p in model.named_parameters():
+        if re.search(r"\.(SelfAttention|EncDecAttention)\.o\.weight$|\.DenseReluDense\.wo\.weight$", name):
+            p *= 2.0 ** k
+    for m in model.modules():
+        if type(m).__name__ == "T5LayerNorm":
+            m.variance_epsilon *= 4.0 ** k
+    model.config.layer_norm_epsilon *= 4.0 ** k
+    assert weight_peak(model) < FP16_MAX and activation_peak(model, run) > FP16_MAX * 2.0 ** margin_bits
+    return k

@@ -15,8 +15,9 @@ from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
 from halfsafe.forward import logits
 from halfsafe.plan import PLAN_FORMAT, Plan
+from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
 from stress import make_stress
-from tiny import make_tiny
+from tiny import make_tiny, save_tiny
 
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
 
@@ -67,17 +68,25 @@ def test_apply_to_a_fine_tune_rescales_exactly_and_reports_fp16_safe(converted, 
     assert torch.isfinite(half(input_ids=ids).logits).all()
 
 
-@pytest.mark.parametrize("growth, code, says", [(64, 0, "does NOT keep the plan's"), (4096, 1, "not fp16-safe")])
+@pytest.mark.parametrize("growth, code, says", [(64, 0, "does NOT keep the plan's"), (4096, 2, "not fp16-safe")])
 def test_a_fine_tune_whose_activations_grew_is_reported(converted, tmp_path, capsys, growth, code, says):
-    """64x larger residual writes still fit (measured peak 4.5e4) but eat the margin; 4096x overflow."""
+    """64x larger residual writes still fit (measured peak 4.5e4) but eat the margin: saved, and said; 4096x overflow:
+    refused in one line, nothing saved (halfsafe never writes a result its own scan finds not fp16-safe)."""
     root, model, _ = converted
     grown = _fine_tune(model, seed=2)
     with torch.no_grad():
         for layer in grown.model.layers:
             layer.mlp.down_proj.weight.mul_(growth)
     grown.save_pretrained(tmp_path / "grown")
+    capsys.readouterr()
     assert main(["apply", str(root / "out"), str(tmp_path / "grown"), str(tmp_path / "grown-fp16"), *ARGS]) == code
-    assert says in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert says in out and (tmp_path / "grown-fp16" / "halfsafe.json").is_file()
+    else:
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and says in errors[0] and "fp16-safe on" not in out, err
+        assert not (tmp_path / "grown-fp16").exists() and not list(tmp_path.glob(".grown-fp16*"))
 
 
 @pytest.mark.parametrize("case", ["other size", "newer format", "edited tensor list", "not a plan"])
@@ -115,3 +124,67 @@ def test_a_plan_from_the_first_format_still_loads(converted, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(plan))
     old = Plan.load(tmp_path / "old.json")
     assert old.format == 1 and old.exponents == {k: v for k, v in plan["exponents"].items()}
+
+
+# --- hostile plans: refused in one line by the schema (plan_schema.py) or the storage check, nothing written -------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def model(tiny, tmp_path):
+    return copy_of(tiny, tmp_path / "model")
+
+
+@pytest.fixture(scope="module")
+def plan_dict() -> dict:
+    return tiny_plan(-1)
+
+
+def _hostile(plan: dict, case: str):
+    if case.startswith("residual "):
+        return {**plan, "exponents": {"residual": json.loads(case.split()[1])}}
+    return {
+        "format abc": {**plan, "format": "abc"},
+        "plan null": {"plan": None},
+        "tensors as strings": {**plan, "tensors": [t["param"] for t in plan["tensors"]]},
+        "empty tensor list": {**plan, "tensors": []},
+        "a list": [plan],
+        "a group name with a newline": {**plan, "exponents": {"no\nsuch": -1}},
+    }[case]
+
+
+@pytest.mark.parametrize("case, says", [
+    ("residual -60", "integers from -24 to 24"), ("residual -500", "integers from -24 to 24"),
+    ("residual 500", "integers from -24 to 24"), ("residual 0.5", "is 0.5"), ("residual 1e999", "is inf"),
+    ("format abc", "format is 'abc'"), ("plan null", "the plan is null"), ("tensors as strings", "tensor 0 is a string"),
+    ("empty tensor list", "differs from what today's"), ("a list", "the plan is a list"),
+    ("a group name with a newline", "names groups this model does not have: no such"),
+])
+def test_a_bad_plan_is_refused_in_one_line_before_anything_is_written(model, plan_dict, tmp_path, capsys, case, says):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(_hostile(plan_dict, case)) if case != "residual -60" else
+                    json.dumps(tiny_plan(-60)))  # -60 with the tensor list that goes with it
+    before = folder_hash(model)
+    refused(capsys, ["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT], says)
+    assert folder_hash(model) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("residual, says", [(-24, "flushes model.embed_tokens.weight to zero"), (24, "exceed 65504")])
+def test_a_plan_that_would_zero_or_overflow_a_tensor_in_fp16_is_refused(model, plan_dict, tmp_path, capsys, residual, says):
+    """Within the solver's range, yet ruinous for these weights (the tiny model's are ~0.02: x 2^-24 is below fp16's
+    smallest subnormal, x 2^24 above 65504): the storage check refuses before writing."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(tiny_plan(residual)))
+    refused(capsys, ["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT], says, "nothing was written")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_a_good_plan_applies(model, plan_dict, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plan_dict))
+    assert main(["apply", str(plan), str(model), str(tmp_path / "out"), *SHORT]) == 0
+    assert "fp16-safe on the check text" in capsys.readouterr().out

@@ -21,6 +21,8 @@ from halfsafe.convert import (
     EVAL_TOKENS, Candidate, ConversionReport, _eval_ids, _layers_after, _problems, apply_checkpoint, apply_plan_,
     candidate_exponents, choose_candidate, convert_checkpoint, default_samples, keeps_margin, storage_error,
 )
+from halfsafe.checkpoint import shard_size
+from halfsafe.loading import input_paths
 from halfsafe.engine.write import DEFAULT_MAX_SHARD_SIZE
 from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import family_for
@@ -354,11 +356,12 @@ def test_apply_plan_scales_exactly_the_listed_tensors(llama):
         assert moved["model.embed_tokens.weight"] == -1 and moved["model.layers.0.self_attn.v_proj.weight"] == -2
         for n, t in m.named_parameters():
             assert torch.equal(t, before[n] * 2.0 ** moved.get(n, 0)), n
-    # a plan without a tensor list (format 1) is applied from its exponents alone
+    # a plan without a tensor list (format 1) is applied from its exponents alone; from format 2 on an empty list is refused
     m = make_tiny("llama")
     e = m.model.embed_tokens.weight.detach().clone()
-    apply_plan_(m, _edit(plan, tensors=[]))
+    apply_plan_(m, _edit(plan, tensors=[], format=1))
     assert torch.equal(m.model.embed_tokens.weight, e / 2)
+    _refused(make_tiny("llama"), _edit(plan, tensors=[]), "^the plan's tensor list .* differs from what today's llama data moves")
 
 
 # --- convert_checkpoint and apply_checkpoint: the wiring ---------------------------------------------------------------
@@ -378,7 +381,7 @@ def recorded(monkeypatch):
     calls = []
     loaded = SimpleNamespace(model=SimpleNamespace(config=_Config()), tokenizer="TOK", folder=Path("/the/source"))
     loaded.set_tokenizer_aside = lambda: (lambda: "TOK again")  # the tokenizer is dropped, and given back to save
-    report = SimpleNamespace(to_dict=lambda: {"plan": "P", "peak_before": 1.0})
+    report = SimpleNamespace(to_dict=lambda: {"plan": "P", "peak_before": 1.0}, storage=[])
     sample = torch.zeros(1, 4, dtype=torch.long)
 
     def record(name, result=None):
@@ -395,7 +398,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(convert, "resolve_device", lambda d: f"resolved {d}")
     monkeypatch.setattr(convert, "make_samples", record("samples", lambda: [sample]))
     monkeypatch.setattr(convert, "make_fp16_safe", record("make", report))
-    monkeypatch.setattr(convert, "apply_plan_", record("apply"))
+    monkeypatch.setattr(convert, "apply_measured_", record("apply", list))
     return SimpleNamespace(calls=calls, loaded=loaded, report=report, sample=sample, record=record)
 
 
@@ -403,13 +406,13 @@ def test_convert_checkpoint_defaults_reach_each_step(recorded):
     r, m = recorded, recorded.loaded.model
     assert convert_checkpoint("src", "out") is r.report
     assert r.calls == [
-        ("check", ("out", False), {}),
+        ("check", ("out", False), {"inputs": input_paths("src")}),  # what MODEL names, as far as known before loading
         ("load", ("src",), {"stream": True, "device": "resolved auto"}),
-        ("check", ("out", False, 12345), {}),
+        ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", ([default_text()], "TOK", 300, 512, 8), {}),
         ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None}),
         ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), False,
-                  DEFAULT_MAX_SHARD_SIZE, True), {}),
+                  shard_size(DEFAULT_MAX_SHARD_SIZE), True), {}),
     ]
 
 
@@ -418,13 +421,13 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
     convert_checkpoint(Path("src"), "out", texts=["a text"], seq_len=64, max_samples=None, headroom_bits=3.0, allow_unfixable=True,
                        overwrite=True, progress=False, long_sample=2, stream=False, device="cpu", max_shard_size="1GB")
     assert r.calls == [
-        ("check", ("out", True), {}),
+        ("check", ("out", True), {"inputs": input_paths("src")}),
         ("load", (Path("src"),), {"stream": False, "device": "resolved cpu"}),
-        ("check", ("out", True, 12345), {}),
+        ("check", ("out", True, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", (["a text"], "TOK", 300, 64, None), {}),
         ("long", ("TOK", 300, 2), {}),
         ("make", (m, [r.sample, "LONG"]), {"headroom_bits": 3.0, "allow_unfixable": True, "progress": False, "max_context": None}),
-        ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, "1GB", False), {}),
+        ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, 10**9, False), {}),
     ]
     r.calls.clear()
     convert_checkpoint("src", "out", max_context=1000)
@@ -462,20 +465,26 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
     plan.save(tmp_path / "plan.json")
     after = _scanned(bits, safe)
     monkeypatch.setattr(convert, "scan", r.record("scan", after))
+    steps = [
+        ("check", ("out", False), {"inputs": input_paths("src")}),
+        ("load", ("src",), {"stream": True, "device": "resolved auto"}),
+        ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
+        ("apply", (m, plan), {}),
+        ("samples", ([default_text()], "TOK", 300, 256, 2), {}),
+        ("scan", (m, [r.sample]), {"fp16_check": True, "progress": True, "name": "src"}),
+    ]
+    if not safe:  # never saved: the scan found it not fp16-safe
+        with pytest.raises(HalfsafeError, match=r"^not fp16-safe after the plan: peak 1000 at x:out, first non-finite fp16 "
+                                                r"module y:out; .* nothing was written"):
+            apply_checkpoint(str(tmp_path / "plan.json"), "src", "out")
+        assert r.calls == steps
+        return
     got_plan, got_after = apply_checkpoint(str(tmp_path / "plan.json"), "src", "out")
     assert got_plan == plan and got_after is after
     info = {"source": "src", "applied_plan_from": str(tmp_path / "plan.json"), "plan": plan.to_dict(), "peak_after": 1000.0,
             "scan_after": {"fp16_safe": safe, "first_nonfinite_fp16": None if safe else "y:out", "peak_site": "x:out",
-                           "headroom_bits": bits, "margin_kept": kept}}
-    assert r.calls == [
-        ("check", ("out", False), {}),
-        ("load", ("src",), {"stream": True, "device": "resolved auto"}),
-        ("check", ("out", False, 12345), {}),
-        ("apply", (m, plan), {}),
-        ("samples", ([default_text()], "TOK", 300, 256, 2), {}),
-        ("scan", (m, [r.sample]), {"fp16_check": True, "progress": True, "name": "src"}),
-        ("save", (m, "TOK again", "out", info, Path("/the/source"), False), {"progress": True}),
-    ]
+                           "headroom_bits": bits, "margin_kept": kept}, "tensor_storage": []}
+    assert r.calls == [*steps, ("save", (m, "TOK again", "out", info, Path("/the/source"), False), {"progress": True})]
 
 
 def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from halfsafe.cli import main
+from hostile import SHORT, copy_of, folder_hash, refused
 from tiny import save_tiny
 
 CONVERT = ["--seq-len", "32", "--max-samples", "1"]
@@ -160,3 +161,76 @@ def test_overwrite_keeps_the_old_checkpoint_until_the_new_one_is_complete(src, t
     assert json.loads((out / "halfsafe.json").read_text())["plan"]
     assert main(["convert", str(src), str(out), *CONVERT, "--overwrite"]) == 0
     assert not (out / "marker.txt").exists() and not _leftovers(out)
+
+
+# --- --overwrite replaces only halfsafe's own output, and never a folder that appeared meanwhile --------------------
+
+
+@pytest.fixture
+def model(src, tmp_path):
+    return copy_of(src, tmp_path / "model")
+
+
+def test_overwrite_replaces_only_a_folder_halfsafe_wrote_or_an_empty_one(model, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "photo.jpg").write_bytes(b"\xff\xd8")
+    refused(capsys, ["convert", str(model), str(mine), "--overwrite", *SHORT], "did not write", "halfsafe.json")
+    assert (mine / "photo.jpg").read_bytes() == b"\xff\xd8"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["convert", str(model), str(empty), "--overwrite", *SHORT]) == 0  # an empty folder
+    assert main(["convert", str(model), str(empty), "--overwrite", *SHORT]) == 0  # a folder halfsafe wrote
+    assert (empty / "halfsafe.json").is_file() and not list(tmp_path.glob(".empty.*"))
+
+
+def _convert_while_paused(model: Path, out: Path, meanwhile, mine: list[str], monkeypatch) -> tuple[int, str]:
+    """This run converts MODEL into OUT; right after its save-time checks (while it writes) `meanwhile()` puts another
+    folder at OUT. Returns this run's exit code and the hash of that folder."""
+    import halfsafe.checkpoint as checkpoint
+
+    real, seen = checkpoint._write_extras, {}
+
+    def write_extras(*args, **kwargs):
+        meanwhile()
+        seen["other"] = folder_hash(out)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_write_extras", write_extras)
+    return main(["convert", str(model), str(out), *SHORT, *mine]), seen["other"]
+
+
+def test_two_converts_to_one_out_the_second_to_finish_fails_and_the_first_stays(model, tmp_path, capsys, monkeypatch):
+    """Two real processes: the other one finishes while this one writes (its clean-up must spare this one's
+    temporary folder, and this one's rename must not replace its output)."""
+    out = tmp_path / "out"
+
+    def other_run():
+        done = subprocess.run([sys.executable, "-m", "halfsafe.cli", "convert", str(model), str(out), *SHORT],
+                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+        assert done.returncode == 0, done.stderr
+
+    capsys.readouterr()
+    code, other = _convert_while_paused(model, out, other_run, [], monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "appeared while this run was writing it" in err[0], err
+    assert folder_hash(out) == other and (out / "halfsafe.json").is_file()  # the first to finish: intact
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_overwrite_replaces_only_the_folder_that_was_there_when_the_save_began(model, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert main(["convert", str(model), str(out), *SHORT]) == 0
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "halfsafe.json").write_text("{}")
+
+    def replaced_meanwhile():  # as another --overwrite run's swap would: the old folder out, a new one in
+        out.rename(tmp_path / "older")
+        newer.rename(out)
+
+    capsys.readouterr()
+    code, other = _convert_while_paused(model, out, replaced_meanwhile, ["--overwrite"], monkeypatch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "appeared while this run was writing it" in err[0], err
+    assert folder_hash(out) == other and not list(tmp_path.glob(".out.*"))

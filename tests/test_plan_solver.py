@@ -182,7 +182,7 @@ def test_inverse_negates_the_shared_eps_exponent():
 
 
 def test_from_dict_of_a_format_1_plan_fills_the_defaults():
-    d = {"family": "llama", "model_type": "llama", "exponents": {"residual": "-2"}, "headroom_bits": "1.5"}
+    d = {"family": "llama", "model_type": "llama", "exponents": {"residual": -2}, "headroom_bits": 1.5, "tensors": []}
     p = Plan.from_dict(d)
     assert (p.family, p.model_type, p.exponents, p.headroom_bits) == ("llama", "llama", {"residual": -2}, 1.5)
     assert p.tensors == [] and p.eps_exponent == 0 and p.eps_fields == {}
@@ -190,10 +190,11 @@ def test_from_dict_of_a_format_1_plan_fills_the_defaults():
 
 
 def test_from_dict_reads_every_field():
-    d = {"family": "gemma3", "model_type": "gemma3", "exponents": {"a": -1}, "headroom_bits": 2, "tensors": [{"param": "x"}],
-         "eps_exponent": "-4", "eps_fields": {"vision_config.layer_norm_eps": "3"}, "context_length": 512, "format": 2,
+    row = {"param": "x", "kind": "mul", "exponent": -1, "part": None, "shape": [2, 3]}
+    d = {"family": "gemma3", "model_type": "gemma3", "exponents": {"a": -1}, "headroom_bits": 2, "tensors": [row],
+         "eps_exponent": -4, "eps_fields": {"vision_config.layer_norm_eps": 3}, "context_length": 512, "format": 2,
          "halfsafe_version": "9.9"}
-    assert Plan.from_dict(d) == Plan("gemma3", "gemma3", {"a": -1}, 2.0, [{"param": "x"}], -4,
+    assert Plan.from_dict(d) == Plan("gemma3", "gemma3", {"a": -1}, 2.0, [row], -4,
                                      {"vision_config.layer_norm_eps": 3}, 512, 2, "9.9")
 
 
@@ -207,10 +208,12 @@ def test_from_dict_refuses_a_newer_format_naming_the_version():
 
 
 def test_from_dict_of_something_else_says_what_is_missing():
-    with pytest.raises(HalfsafeError, match=r"^not a halfsafe plan \(KeyError: 'model_type'\): pass a plan\.json or halfsafe\.json$"):
+    with pytest.raises(HalfsafeError, match=r"^not a halfsafe plan \(model_type is None, not a name\): pass the plan\.json or "
+                                            r"halfsafe\.json halfsafe wrote, unedited$"):
         Plan.from_dict({"family": "llama"})
-    with pytest.raises(HalfsafeError, match=r"^not a halfsafe plan \(ValueError: "):
-        Plan.from_dict({"family": "llama", "model_type": "llama", "exponents": {"a": "x"}, "headroom_bits": 2})
+    with pytest.raises(HalfsafeError, match=r"^not a halfsafe plan \(exponents\['a'\] is 'x'; halfsafe's exponents there are "
+                                            r"integers from -24 to 24\)"):
+        Plan.from_dict({"family": "llama", "model_type": "llama", "exponents": {"a": "x"}, "headroom_bits": 2, "tensors": []})
 
 
 def test_save_writes_indented_json_with_a_final_newline(tmp_path):
@@ -231,5 +234,5 @@ def test_load_refuses_a_missing_file_or_a_non_plan(tmp_path):
     with pytest.raises(HalfsafeError, match=r"^cannot read a plan from .*nowhere\.json \(.*\): pass a plan\.json or a converted folder$"):
         Plan.load(tmp_path / "nowhere.json")
     (tmp_path / "list.json").write_text("[1, 2]")
-    with pytest.raises(HalfsafeError, match=r"^not a halfsafe plan \(KeyError: 'family'\)"):
+    with pytest.raises(HalfsafeError, match=r"^not a halfsafe plan \(the plan is a list, not an object\)"):
         Plan.load(tmp_path / "list.json")

@@ -5,6 +5,7 @@ a config that cannot be shrunk falls back to the real model, saying so."""
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import replace
 
 import pytest
@@ -15,11 +16,11 @@ from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.forward import logits
-from halfsafe.groups import expand, select_parts
+from halfsafe.groups import expand
 from halfsafe.loading import load_model, model_class_for
 from halfsafe.probe import probe
 from halfsafe.stats import ActivationCollector
-from halfsafe.shrink import map_governed, probe_governed, randomize_, shrunk_config, shrunk_model
+from halfsafe.shrink import LAYER_FIELDS, map_governed, probe_governed, randomize_, shrunk_config, shrunk_model
 from tests.tiny import TINY, make_tiny, save_tiny, tiny_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
@@ -28,33 +29,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thr
 FALLBACK: set[str] = set()  # tiny keys whose config cannot be shrunk (none today): they must probe the model itself
 
 
-def _weight_dependent(model, groups, ids) -> tuple[set[str], set[str]]:
-    """(sites the model measures, sites whose power depends on the weights). A site's power is that of its peak,
-    which for these is the larger of activations that move differently, so which one wins depends on the weights, in
-    the real model as in any copy: every site of a module run more than once per forward (T5's stack dropout, after
-    the embedding and after the final norm) and the output of a module whose weight a group moves only in part (a
-    fused projection: its power is a whole one only when its peak sits in the moved part; one expert's slice of a
-    fused expert tensor is not such a part: its activations are measured per expert). A fused expert that no token
-    reaches has no site in the model; the planner reads only measured sites."""
-    calls: dict[str, int] = {}
-    handles = [m.register_forward_hook(lambda mod, a, o, n=n: calls.__setitem__(n, calls.get(n, 0) + 1))
-               for n, m in model.named_modules() if n]
-    try:
-        with ActivationCollector(model) as c:
-            logits(model, ids)
-    finally:
-        for h in handles:
-            h.remove()
-    partial = {m.param.rsplit(".", 1)[0] for g in groups for m in g.moves
-               if select_parts(m.select)[1 if g.expert is not None else 0:]}
-    twice = {n for n, k in calls.items() if k > 1}
-    return set(c.sites), {s for s in c.sites if s.rsplit(":", 1)[0] in twice} | {f"{n}:out" for n in partial}
+def _measured(model, ids) -> set[str]:
+    """The sites a forward of `model` measures (a fused expert no token reaches has none: the planner reads only
+    measured sites)."""
+    with ActivationCollector(model) as c:
+        logits(model, ids)
+    return set(c.sites)
 
 
-def _settled(governed: dict, measured: set[str], skip: set[str]) -> dict:
-    """governed without what depends on the weights (see _weight_dependent) and without power 0.0 (a tensor moved
-    only in part: no constraint for the planner)."""
-    return {g: {s: p for s, p in sites.items() if p and s in measured and s not in skip} for g, sites in governed.items()}
+def _settled(governed: dict, measured: set[str]) -> dict:
+    """governed on the measured sites, without power 0.0 (a tensor moved only in part: no constraint for the
+    planner, as a site no group moves)."""
+    return {g: {s: p for s, p in sites.items() if p and s in measured} for g, sites in governed.items()}
 
 
 def _check_mapping(model, ids):
@@ -64,9 +50,9 @@ def _check_mapping(model, ids):
     small = shrunk_model(model, groups)
     small_groups = expand(family, small)
     mapped = map_governed(model, groups, small, small_groups, probe(small, family, small_groups, ids))
-    measured, skip = _weight_dependent(model, groups, ids)
+    measured = _measured(model, ids)
     assert mapped.keys() == real.keys()
-    assert _settled(mapped, measured, skip) == _settled(real, measured, skip)
+    assert _settled(mapped, measured) == _settled(real, measured)
     return small
 
 
@@ -126,6 +112,81 @@ def test_deeper_models_map_onto_fewer_shrunk_blocks(key):
     small = _check_mapping(model, tiny_ids(model))
     assert small.config.num_hidden_layers == blocks
     assert small.config.hidden_size < model.config.hidden_size
+
+
+DECODER_DEPTHS = ("decoder_layers", "num_decoder_layers")
+
+
+def deepened(key: str, depth: int, decoder_depth: int, tie: bool | None):
+    """TINY[key]'s config with `depth` blocks in each block list (`decoder_depth` in an encoder-decoder's decoder)
+    and, unless None, the head tied or untied; per-layer lists made afresh (layer types repeat their pattern, the
+    last block full attention as Gemma 3/4 require; Gemma 4's per-layer head widths recomputed)."""
+    def walk(d: dict) -> dict:
+        d = {k: walk(v) if isinstance(v, dict) and "model_type" in v else v for k, v in d.items()}
+        for f in LAYER_FIELDS:
+            if isinstance(d.get(f), int) and not isinstance(d[f], bool):
+                d[f] = decoder_depth if f in DECODER_DEPTHS else depth
+        n = d.get("num_hidden_layers", depth)
+        if isinstance(d.get("layer_types"), list) and d["layer_types"]:
+            pattern = d["layer_types"]
+            d["layer_types"] = [pattern[i % len(pattern)] for i in range(n)]
+            if "full_attention" in pattern:
+                d["layer_types"][-1] = "full_attention"
+        if "per_layer_config" in d:
+            d.pop("per_layer_config")
+        if isinstance(d.get("num_kv_shared_layers"), int):  # every shared type needs a block of it before the sharing
+            k = min(d["num_kv_shared_layers"], n - 1)
+            while k and set(d["layer_types"][: n - k]) != set(d["layer_types"]):
+                k -= 1
+            d["num_kv_shared_layers"] = k
+        if isinstance(d.get("first_k_dense_replace"), int):
+            d["first_k_dense_replace"] = min(d["first_k_dense_replace"], n - 1)
+        if "attention_types" in d:  # GPT-Neo: [[pattern, repeats]] covering the blocks exactly
+            pattern = d["attention_types"][0][0]
+            d["attention_types"] = [[pattern, max(1, depth // len(pattern))]]
+            d.pop("attention_layers", None)
+            for f in LAYER_FIELDS:
+                if isinstance(d.get(f), int):
+                    d[f] = len(pattern) * max(1, depth // len(pattern))
+        return d
+
+    config = TINY[key]()
+    d = walk(config.to_dict())
+    if tie is not None:
+        d["tie_word_embeddings"] = tie
+        for sub in ("text_config", "decoder"):
+            if isinstance(d.get(sub), dict):
+                d[sub]["tie_word_embeddings"] = tie
+    new = type(config).from_dict(d)
+    new._attn_implementation = "eager"
+    return new
+
+
+def _draws(n: int = 2):
+    """Seeded random (key, depth, decoder depth, tie) draws, n per family key: depths 1 to 8, encoder and decoder
+    depths that differ, tied, untied and as-configured heads."""
+    rng = random.Random(19)
+    out = []
+    for key in sorted(TINY):
+        for _ in range(n):
+            out.append((key, rng.randint(1, 8), rng.randint(1, 8), rng.choice([None, True, False])))
+    return out
+
+
+@pytest.mark.parametrize("key,depth,decoder_depth,tie", _draws())
+def test_shrunk_probe_equals_probing_the_model_at_random_depths(key, depth, decoder_depth, tie):
+    """The property the shrunk probe rests on, over every family at depths 1 to 8: the copy's result mapped onto
+    the model is the model's own probe, site for site, power for power, for modules called more than once (T5's
+    stack dropout), fused projections (GPT-2's c_attn), fused experts and heads tied or untied either way."""
+    model = _deep(deepened(key, depth, decoder_depth, tie))
+    ids = tiny_ids(model, length=16)
+    family = family_for(model.config.model_type)
+    groups = expand(family, model)
+    mapped = probe_governed(model, family, groups, ids)
+    real = probe(model, family, groups, ids)
+    measured = _measured(model, ids)
+    assert mapped.keys() == real.keys()
+    assert _settled(mapped, measured) == _settled(real, measured)
 
 
 def test_probe_through_the_shrunk_copy_rejects_family_data_that_does_not_hold():

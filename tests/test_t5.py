@@ -138,3 +138,40 @@ def test_other_layouts_expand_fully_and_stay_exact(build):
     apply_exponents_(model, FAMILY, groups, random_exponents(groups, 0))
     out = logits(model, ids)
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
+def _blown_up_three_blocks(key: str):
+    """3 encoder and 3 decoder blocks, the residual stream grown past 65504 by an exact rescale (as bf16 training
+    grows T5's): the stack's dropout then sees the grown embeddings at its first call and the final norm's
+    output, which does not grow, at its second."""
+    config = TINY[key]()
+    config.num_layers = config.num_decoder_layers = 3
+    torch.manual_seed(0)
+    model = type(make_tiny(key))(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((p + torch.randn_like(p) * 0.1 * (p.dim() == 1)).bfloat16().float())
+    ids = tiny_ids(model, length=16)
+    k = math.ceil(math.log2(4 * FP16_MAX / _residual_peak(model, ids)))
+    apply_exponents_(model, FAMILY, expand(FAMILY, model), {"residual": k})
+    return model
+
+
+@pytest.mark.parametrize("key", ["t5", "t5-v1_1"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_stack_dropout_is_two_sites_and_the_shrunk_probe_moves_each_as_its_call_does(key, seed):
+    from halfsafe.shrink import probe_governed
+
+    model = _blown_up_three_blocks(key)
+    ids = tiny_ids(model, length=16, seed=seed)
+    sites = scan(model, [ids], progress=False).sites
+    assert sites["decoder.dropout:in"].abs_max == sites["decoder.embed_tokens:out"].abs_max > FP16_MAX
+    assert sites["decoder.dropout:in@2"].abs_max == sites["decoder.final_layer_norm:out"].abs_max < FP16_MAX
+    residual = probe_governed(model, FAMILY, expand(FAMILY, model), ids)["residual"]
+    for stack in ("encoder", "decoder"):
+        assert residual[f"{stack}.dropout:out"] == residual[f"{stack}.embed_tokens:out"] == 1
+        assert residual.get(f"{stack}.dropout:out@2") == residual.get(f"{stack}.final_layer_norm:out")
+    assert residual["decoder.block.2.layer.2:out"] == 1
+    report = make_fp16_safe(model, samples=[ids], progress=False)
+    assert not report.unfixable
+    assert torch.isfinite(logits(cast_copy(model, torch.float16), ids)).all()

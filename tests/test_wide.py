@@ -22,6 +22,7 @@ from halfsafe.groups import expand
 from halfsafe.loading import load_model
 from halfsafe.precision import in_dtype
 from halfsafe.rewrite import apply_exponents_, trial
+from tests.same_run import assert_same_run
 from tests.tiny import TINY, make_tiny, random_exponents, save_tiny, tiny_ids
 
 STREAMABLE = sorted(k for k in TINY if k not in {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"})
@@ -45,13 +46,13 @@ def pair(request, tmp_path_factory):
 def test_every_family_computes_the_whole_models_logits_with_every_matrix_wide(pair, small_chunks):
     key, whole, streamed = pair
     ids = tiny_ids(whole, 12)
-    assert torch.equal(logits(whole, ids), logits(streamed, ids))
+    assert_same_run(logits(whole, ids), logits(streamed, ids), "fp32 runs")
     with in_dtype(whole, torch.float16) as a, in_dtype(streamed, torch.float16) as b:
-        assert torch.equal(logits(a, ids), logits(b, ids)), "fp16 runs differ"
+        assert_same_run(logits(a, ids), logits(b, ids), "fp16 runs")
     family = family_for(whole.config.model_type)
     exps = random_exponents(expand(family, whole), seed=3)
     with trial(whole, family, expand(family, whole), exps), trial(streamed, family, expand(family, streamed), exps):
-        assert torch.equal(logits(whole, ids), logits(streamed, ids)), "rescaled runs differ"
+        assert_same_run(logits(whole, ids), logits(streamed, ids), "rescaled runs")
 
 
 def test_the_usual_paths_never_load_a_wide_matrix_whole(monkeypatch, small_chunks, tmp_path):

@@ -7,6 +7,8 @@ model card section.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
@@ -34,13 +36,16 @@ _PID_FILE = ".halfsafe-pid"  # inside a temporary folder: the process writing it
 
 
 @contextmanager
-def atomic_folder(out: Path):
-    """Yield a temporary folder beside `out`; when the block succeeds it replaces `out`, when it fails it is
-    removed. An existing `out` is renamed aside first and deleted only once the new one is in place, so a
-    crash at any moment leaves either the old or the new folder, never a half-written one."""
+def atomic_folder(out: Path, replace: bool = False):
+    """Yield a temporary folder beside `out`; when the block succeeds it becomes `out`, when it fails it is removed.
+    `replace`: the folder at `out` when the block starts may be replaced (it is renamed aside first and deleted only
+    once the new one is in place, so a crash at any moment leaves the old or the new folder, never a half-written
+    one). Nothing else is ever replaced: a folder that appeared at `out` meanwhile (another run's) stays, and this
+    run fails in one line."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
+    seen = _identity(out) if replace else None
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     (tmp / _PID_FILE).write_text(str(os.getpid()))
     old = None
@@ -48,20 +53,71 @@ def atomic_folder(out: Path):
         yield tmp
         (tmp / _PID_FILE).unlink()
         tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is ordinary
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            (old / _PID_FILE).write_text(str(os.getpid()))
-            out.rename(old / out.name)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if old is not None:  # put the old folder back
-                (old / out.name).rename(out)
-            raise
+        old = _swap_in(tmp, out, seen)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, out: Path, seen: tuple[int, int] | None) -> Path | None:
+    """Rename `tmp` to `out`, moving aside the folder `seen` (only that one) first; returns the folder holding the
+    old one (to delete), or None."""
+    appeared = HalfsafeError(f"{out} appeared while this run was writing it (another halfsafe run?): it was left as it "
+                             "is and this run saved nothing; choose another output folder")
+    old = None
+    if seen is not None and os.path.lexists(out):
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        (old / _PID_FILE).write_text(str(os.getpid()))
+        out.rename(old / out.name)
+        if _identity(old / out.name) != seen:  # not the folder this run may replace: put it back
+            try:
+                _rename_noreplace(old / out.name, out)
+                shutil.rmtree(old, ignore_errors=True)
+            except OSError:
+                log.warning("another run's output is kept in %s", old)
+            raise appeared
+    try:
+        _rename_noreplace(tmp, out)
+    except FileExistsError:
+        if old is not None:
+            log.warning("the folder this run replaces is kept in %s", old)
+        raise appeared from None
+    except OSError:
+        if old is not None:  # put the old folder back
+            (old / out.name).rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    return old
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which folder sits at `path` (device and inode), None when nothing does."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+_RENAME_NOREPLACE, _AT_FDCWD = 1, -100
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`, failing with FileExistsError when `dst` exists (a plain rename would silently replace
+    an empty folder). Atomic on Linux (renameat2); elsewhere a check just before the rename."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS):  # anything but "this file system cannot": a real failure
+            raise OSError(err, os.strerror(err), str(src))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
 
 
 def _alive(pid: int) -> bool:
@@ -103,14 +159,23 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0) -> Path:
-    """Fail now, not after an hour of work: OUT must not exist (unless overwrite), its folder must be creatable and
-    writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the new one is done)."""
+MARK = "halfsafe.json"  # every folder halfsafe writes carries it; --overwrite replaces only those (or empty ones)
+
+
+def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, inputs=()) -> Path:
+    """Fail now, not after an hour of work: OUT must not be, hold or lie inside any of `inputs` (the model, its
+    folder), must not exist unless overwrite (and then be a folder halfsafe wrote, or an empty one), its folder must
+    be creatable and writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the
+    new one is done)."""
     out = Path(out)
+    refuse_overlap(out, inputs)
     if out.exists() and not overwrite:
         raise HalfsafeError(f"{out} already exists: choose another output folder or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise HalfsafeError(f"{out} exists and is not a folder: choose another output path")
+    if out.exists() and not _replaceable(out):
+        raise HalfsafeError(f"{out} holds files halfsafe did not write (it has no {MARK}): --overwrite replaces only a "
+                            "folder halfsafe wrote, or an empty one; choose another output folder")
     base = _existing_ancestor(out.parent)
     if not base.is_dir():
         raise HalfsafeError(f"cannot create {out}: {base} is not a folder; choose another output path")
@@ -127,6 +192,45 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0) -> Pa
                 "free some space or choose another output folder"
             )
     return out
+
+
+def refuse_overlap(out: str | Path, inputs) -> None:
+    """halfsafe never writes into, over or around what it reads: `out` (symlinks resolved) may be none of `inputs`,
+    hold none of them and lie inside none of them."""
+    from .trust import model_root
+
+    target = Path(out).expanduser().resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        model = Path(given).expanduser().resolve()
+        if model.is_dir():
+            model = model_root(model)  # a hub cache snapshot: its repository folder, blobs included
+        if target == model or model.is_relative_to(target):
+            raise HalfsafeError(f"{out} is {'the model' if target == model else 'a folder that holds the model'} {given}: "
+                                "halfsafe never writes over or deletes its input; choose an output folder outside it")
+        if target.is_relative_to(model):
+            raise HalfsafeError(f"{out} is inside the model folder {given}: halfsafe never writes into its input; "
+                                "choose an output folder outside it")
+
+
+def _replaceable(out: Path) -> bool:
+    mark = out / MARK
+    return (mark.is_file() and not mark.is_symlink()) or not any(out.iterdir())
+
+
+def shard_size(value: int | str) -> int:
+    """--max-shard-size in bytes: "5GB", "500MiB" or a number of bytes, as transformers reads it; anything else is
+    refused in one line (the CLI's parser calls this too, so a typo fails before anything loads)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size = convert_file_size_to_int(int(value) if isinstance(value, str) and value.strip().isdigit() else value)
+    except (ValueError, TypeError, AttributeError):
+        size = None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise HalfsafeError(f"--max-shard-size {value!r} is not a size: give e.g. 5GB, 500MB or a number of bytes")
+    return size
 
 
 def output_bytes(model: PreTrainedModel) -> int:
@@ -147,9 +251,9 @@ def save_fp16_checkpoint(
 ) -> Path:
     """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `info` as halfsafe.json and a
     card. A streamed model is written tensor by tensor from its shards."""
-    out = check_out_dir(out, overwrite, output_bytes(model))
+    out = check_out_dir(out, overwrite, output_bytes(model), inputs=[source_folder])
     try:
-        with atomic_folder(out) as tmp:
+        with atomic_folder(out, replace=overwrite) as tmp:
             if streamed_of(model) is not None:
                 _write_streamed(model, tmp, max_shard_size, progress)
             else:
@@ -188,7 +292,7 @@ def _write_extras(tokenizer, tmp: Path, info: dict, source_folder: Path | None) 
                 if f.is_file() and not (tmp / f.name).exists():
                     shutil.copy2(f, tmp / f.name)
     info = {"halfsafe_version": __version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__, **info}
-    (tmp / "halfsafe.json").write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
+    (tmp / MARK).write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
     if "plan" in info:
         _write_card(tmp / "README.md", info)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from .errors import HalfsafeError
@@ -19,10 +21,59 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line (exit 2) that names the option and points at --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _count(least: int):
+    """An argparse type: an integer >= `least`, refused at parse time."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is too small: use at least {least}")
+        return value
+    parse.__name__ = "count"
+    return parse
+
+
+def _number(text: str) -> float:
+    """An argparse type: a finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _shard_size(text: str) -> int:
+    from .checkpoint import shard_size
+
+    try:
+        return shard_size(text)
+    except HalfsafeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give e.g. 5GB, 500MB or a number of bytes") from None
+
+
+def _device(text: str) -> str:
+    from .engine.device import DEVICES
+
+    if text in DEVICES or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: use one of {', '.join(DEVICES)} (or cuda:N)")
+
+
 def _add_text_args(p: argparse.ArgumentParser, seq_len: int = 512, max_samples: int | None = 8) -> None:
     p.add_argument("--text", action="append", metavar="FILE", help="calibration text file (repeatable; default: the embedded text)")
-    p.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per sample (default {seq_len})")
-    p.add_argument("--max-samples", type=int, default=max_samples, help=f"samples at most (default {max_samples})")
+    p.add_argument("--seq-len", type=_count(2), default=seq_len, help=f"tokens per sample (default {seq_len})")
+    p.add_argument("--max-samples", type=_count(1), default=max_samples, help=f"samples at most (default {max_samples})")
 
 
 def _samples(args, loaded):
@@ -47,7 +98,7 @@ def _runtime_option(p, what: str) -> None:
 
 
 def _engine_options(p) -> None:
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when torch sees a GPU): one block on it at a time")
+    p.add_argument("--device", default="auto", type=_device, help="cpu, cuda or auto (default: cuda when torch sees a GPU): one block on it at a time")
     p.add_argument("--whole", action="store_true",
                    help="load the whole model into memory instead of one block at a time from its shards (faster for small models)")
 
@@ -77,9 +128,10 @@ def cmd_convert(args) -> int:
     from .plots import plot_layer_peaks
 
     if args.to == "onnx":
-        from .export.onnx import require_onnx
+        from .export.onnx import check_folder_exportable, require_onnx
 
         require_onnx()  # fail before the slow part
+        check_folder_exportable(args.model)
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
@@ -107,17 +159,12 @@ def cmd_apply(args) -> int:
 
     plan, after = apply_checkpoint(args.plan, args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len,
                                    max_samples=args.max_samples, overwrite=args.overwrite, stream=not args.whole, device=args.device)
-    peak = after.peak
+    peak = after.peak  # apply_checkpoint refuses (and writes nothing) when the result is not fp16-safe
     console.print(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
-    if after.fp16_safe and after.first_nonfinite_fp16 is None:
-        kept = "keeps" if peak.headroom_bits >= plan.headroom_bits else "does NOT keep"
-        console.print(f"fp16-safe on the check text: peak {peak.abs_max:.4g} at {peak.name}, {peak.headroom_bits:.2f} bits "
-                      f"under 65504 ({kept} the plan's {plan.headroom_bits:.2f}-bit margin)")
-        return 0
-    console.print(f"[red]not fp16-safe[/]: peak {peak.abs_max:.4g} at {peak.name}"
-                  + (f", first non-finite fp16 module {after.first_nonfinite_fp16}" if after.first_nonfinite_fp16 else "")
-                  + f"; this checkpoint's activations outgrew the plan: run `halfsafe convert {args.model} OUT` instead")
-    return 1
+    kept = "keeps" if peak.headroom_bits >= plan.headroom_bits else "does NOT keep"
+    console.print(f"fp16-safe on the check text: peak {peak.abs_max:.4g} at {peak.name}, {peak.headroom_bits:.2f} bits "
+                  f"under 65504 ({kept} the plan's {plan.headroom_bits:.2f}-bit margin)")
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -220,7 +267,7 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="halfsafe", description="Make bf16-pretrained models fp16-safe by exact power-of-two rescaling.")
+    parser = _Parser(prog="halfsafe", description="Make bf16-pretrained models fp16-safe by exact power-of-two rescaling.")
     parser.add_argument("--version", action="version", version=f"halfsafe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -230,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit")
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
-    p.add_argument("--top", type=int, default=12, help="rows in the tightest-tensors table")
+    p.add_argument("--top", type=_count(1), default=12, help="rows in the tightest-tensors table")
     _runtime_option(p, "also measure what would overflow")
     _engine_options(p)
     p.set_defaults(func=cmd_scan)
@@ -239,14 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p)
-    p.add_argument("--max-context", type=int, metavar="N", help="make the margin for contexts up to N tokens (default: the model's longest)")
-    p.add_argument("--headroom-bits", type=float, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
-    p.add_argument("--long-sample", type=int, metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
+    p.add_argument("--max-context", type=_count(1), metavar="N", help="make the margin for contexts up to N tokens (default: the model's longest)")
+    p.add_argument("--headroom-bits", type=_number, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
+    p.add_argument("--long-sample", type=_count(2), metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
-    p.add_argument("--max-shard-size", default="50GB", type=lambda v: int(v) if v.isdigit() else v, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
+    p.add_argument("--max-shard-size", default="50GB", type=_shard_size, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
     _runtime_option(p, "choose the plan (or refuse)")
     _engine_options(p)
     p.set_defaults(func=cmd_convert)
@@ -256,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("converted", help="the folder `halfsafe convert` wrote")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     p.set_defaults(func=cmd_export)
 
@@ -266,39 +313,39 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p, seq_len=256, max_samples=2)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
     p.add_argument("--out", help="where to write the converted checkpoint (default: in the halfsafe cache; replaced)")
-    p.add_argument("--seq-len", type=int, default=512, help="verify: tokens per held-out sample (default 512)")
-    p.add_argument("--max-samples", type=int, default=2, help="verify: held-out samples (default 2)")
-    p.add_argument("--greedy-tokens", type=int, default=32, help="verify: greedy tokens compared with fp32 (default 32)")
+    p.add_argument("--seq-len", type=_count(2), default=512, help="verify: tokens per held-out sample (default 512)")
+    p.add_argument("--max-samples", type=_count(1), default=2, help="verify: held-out samples (default 2)")
+    p.add_argument("--greedy-tokens", type=_count(0), default=32, help="verify: greedy tokens compared with fp32 (default 32)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("formats", help="bf16 / fp16 / fp32 side by side")
-    p.add_argument("--value", type=float, help="show how this value is stored in each format")
-    p.add_argument("--times", type=float, help="with --value: the product value * times computed in each format")
+    p.add_argument("--value", type=_number, help="show how this value is stored in each format")
+    p.add_argument("--times", type=_number, help="with --value: the product value * times computed in each format")
     p.set_defaults(func=cmd_formats)
 
     p = sub.add_parser("finetune", help="where no exact rescale reaches: fine-tune peaks below a threshold (KL to the original); save fp16")
     p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("out", help="output folder (must not exist unless --overwrite); unfinished state is kept in .OUT.partial beside it")
     _add_text_args(p, seq_len=256)
-    p.add_argument("--steps", type=int, default=500, help="optimizer steps at most (default 500); a rerun with more continues")
-    p.add_argument("--threshold", type=float, default=16384.0, help="every activation must end below this |x| (default 16384: 2 bits under 65504)")
-    p.add_argument("--margin-bits", type=float, default=0.25, help="stop once watched peaks are this many bits under the threshold (default 0.25)")
-    p.add_argument("--lr", type=float, default=3e-2, help="relative step: each tensor moves by about lr x its RMS (default 0.03)")
-    p.add_argument("--penalty-weight", type=float, default=1.0, help="weight of the hinge penalty against the KL term (default 1)")
-    p.add_argument("--polish-steps", type=int, default=50, help="steps after the peaks first meet the target, for the KL to recover (default 50)")
+    p.add_argument("--steps", type=_count(0), default=500, help="optimizer steps at most (default 500); a rerun with more continues")
+    p.add_argument("--threshold", type=_number, default=16384.0, help="every activation must end below this |x| (default 16384: 2 bits under 65504)")
+    p.add_argument("--margin-bits", type=_number, default=0.25, help="stop once watched peaks are this many bits under the threshold (default 0.25)")
+    p.add_argument("--lr", type=_number, default=3e-2, help="relative step: each tensor moves by about lr x its RMS (default 0.03)")
+    p.add_argument("--penalty-weight", type=_number, default=1.0, help="weight of the hinge penalty against the KL term (default 1)")
+    p.add_argument("--polish-steps", type=_count(0), default=50, help="steps after the peaks first meet the target, for the KL to recover (default 50)")
     p.add_argument("--train", choices=("parent", "blocks", "all"), default="parent",
                    help="what trains: the module around each watched site (default: a gate's MLP), its whole block, or all")
-    p.add_argument("--headroom-bits", type=float, default=2.0, help="headroom of the exact rescale that runs first (default 2)")
-    p.add_argument("--save-every", type=int, default=10, help="steps between training-state saves (default 10)")
+    p.add_argument("--headroom-bits", type=_number, default=2.0, help="headroom of the exact rescale that runs first (default 2)")
+    p.add_argument("--save-every", type=_count(1), default=10, help="steps between training-state saves (default 10)")
     p.add_argument("--resume-from", metavar="STATE", help="resume from this state file instead of OUT's partial folder")
     p.add_argument("--restart", action="store_true", help="discard a saved training state and start over")
     p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
     p.set_defaults(func=cmd_finetune)
 
@@ -306,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"the original: model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("converted", nargs="?", help="the fp16 checkpoint `halfsafe convert` wrote from MODEL (optional)")
     p.add_argument("--text", action="append", metavar="FILE", help="text file to measure on (repeatable; default: the embedded held-out text)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
-    p.add_argument("--max-samples", type=int, default=2, help="samples per text at most (default 2; 0: the whole text)")
-    p.add_argument("--greedy-tokens", type=int, default=32, help="greedy tokens generated from the start of each text (default 32; 0: none)")
+    p.add_argument("--seq-len", type=_count(2), default=512, help="tokens per sample (default 512)")
+    p.add_argument("--max-samples", type=_count(0), default=2, help="samples per text at most (default 2; 0: the whole text)")
+    p.add_argument("--greedy-tokens", type=_count(0), default=32, help="greedy tokens generated from the start of each text (default 32; 0: none)")
     p.add_argument("--json", metavar="PATH", help="write every metric, per variant and per text, as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of KL per variant, and PATH-layers.png of per-layer peaks before/after")
     _runtime_option(p, "also run fp16 and the converted checkpoint")
@@ -317,14 +364,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _keep_reports_out_of_inputs(args) -> None:
+    """--json and --plot never write into (or over) the model or the converted folder being read."""
+    from .checkpoint import refuse_overlap
+    from .loading import input_paths
+
+    inputs = [p for name in ("model", "converted") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
+    for path in (getattr(args, "json", None), getattr(args, "plot", None)):
+        if path:
+            refuse_overlap(path, inputs)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a usage error (exit 2, one line), --help or --version: the code, as for every other exit
+        return e.code if isinstance(e.code, int) else 2
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
     try:
+        _keep_reports_out_of_inputs(args)
         return args.func(args)
     except HalfsafeError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)  # one line
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -20,7 +20,7 @@ from .forward import logits as forward_logits, prefix, sample_tokens
 from .groups import Group, expand
 from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
-from .plan import FP16_MAX_BITS, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
+from .plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
 from .precision import in_dtype
 from .shrink import probe_governed
 from .rewrite import apply_exponents_, trial
@@ -107,8 +107,8 @@ def candidate_exponents(groups, constraints, headroom_bits, n: int, above: int =
     if "residual" in best:
         for d in [*range(above, 0, -1), *range(-1, -n, -1)]:
             r = best["residual"] + d
-            if r > 0:
-                continue  # never scale up
+            if not MIN_EXPONENT <= r <= 0:
+                continue  # never scale up, nor below what a plan may hold
             cand = solve(groups, constraints, headroom_bits, fixed={"residual": r})
             if cand not in out:
                 out.append(cand)
@@ -274,11 +274,7 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
     report = plan_fp16_safe(model, samples, **options)
     eval_ids = _eval_ids(samples)
     ref = forward_logits(model, eval_ids).float()
-    touched = sorted({t["param"] for t in report.plan.tensors})
-    values = weights(model)  # read as they are at each access: before, then after the plan
-    before = {p: storage_error(value_blocks(values, p)) for p in touched}
-    apply_plan_(model, report.plan)
-    report.storage = [{"param": p, "before": before[p], "after": storage_error(value_blocks(values, p))} for p in touched]
+    report.storage = apply_measured_(model, report.plan)
     report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return report
 
@@ -310,12 +306,35 @@ def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
         if "shape" in t and tuple(t["shape"]) != shapes[t["param"]]:
             raise HalfsafeError(f"{t['param']} is {list(shapes[t['param']])} here but {t['shape']} in the plan: "
                                 "the plan was made for a model of another size")
-    if plan.tensors:
-        keyed = lambda rows: sorted((r["param"], r["kind"], r["exponent"], r["part"]) for r in rows)  # noqa: E731
-        if keyed(tensor_table(groups, plan.exponents)) != keyed(plan.tensors):
-            raise HalfsafeError(f"the plan's tensor list (halfsafe {plan.halfsafe_version or '0.1.0'}) differs from what today's "
-                                f"{family.name} data moves for the same groups: convert the model again")
+    keyed = lambda rows: sorted((r["param"], r["kind"], r["exponent"], r["part"]) for r in rows)  # noqa: E731
+    checked = plan.tensors or plan.format >= 2  # an empty list too; only a format-1 plan may come without one
+    if checked and keyed(tensor_table(groups, plan.exponents)) != keyed(plan.tensors):
+        raise HalfsafeError(f"the plan's tensor list (halfsafe {plan.halfsafe_version or '0.1.0'}) differs from what today's "
+                            f"{family.name} data moves for the same groups: convert the model again")
     apply_exponents_(model, family, groups, plan.exponents)
+
+
+STORAGE_LIMIT = 0.01  # relative L2 error of a tensor's fp16 copy that means it is lost; rounding alone gives ~3e-4
+
+
+def apply_measured_(model: PreTrainedModel, plan: Plan) -> list[dict]:
+    """`apply_plan_`, with the fp16 storage error of every touched tensor before and after (see `storage_error`)."""
+    touched = sorted({t["param"] for t in plan.tensors})
+    values = weights(model)  # read as they are at each access: before, then after the plan
+    before = {p: storage_error(value_blocks(values, p)) for p in touched}
+    apply_plan_(model, plan)
+    return [{"param": p, "before": before[p], "after": storage_error(value_blocks(values, p))} for p in touched]
+
+
+def check_storage(storage: list[dict], fix: str) -> None:
+    """Refuse, before anything is written, weights whose float16 copy the plan ruins: a value beyond 65504 (inf), or
+    a tensor flushed (mostly) to zero, where its copy before the plan was fine."""
+    for row in storage:
+        before, after = row["before"], row["after"]
+        if after["overflow"] > before["overflow"]:
+            raise HalfsafeError(f"the plan makes {after['overflow']:,} values of {row['param']} exceed 65504, inf in float16: {fix}")
+        if after["fp16_rel_error"] > max(STORAGE_LIMIT, before["fp16_rel_error"]):
+            raise HalfsafeError(f"the plan flushes {row['param']} to zero in float16 ({after['fp16_rel_error']:.0%} of it lost): {fix}")
 
 
 def convert_checkpoint(
@@ -339,17 +358,18 @@ def convert_checkpoint(
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
     from .calibration import long_sample_ids, read_texts
-    from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
-    from .loading import load_model
+    from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint, shard_size
+    from .loading import input_paths, load_model
 
-    check_out_dir(out, overwrite)  # fail before the slow part
+    check_out_dir(out, overwrite, inputs=input_paths(source))  # fail before the slow part
     check_options(max_context, headroom_bits)
     profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
+    max_shard_size = shard_size(max_shard_size)
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
     loaded = load_model(source, stream=stream, device=resolve_device(device))
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
-    check_out_dir(out, overwrite, output_bytes(loaded.model))  # and a disk too small for the output
+    check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])  # and a disk too small
     vocab = loaded.model.config.get_text_config().vocab_size
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
     if long_sample:
@@ -357,6 +377,7 @@ def convert_checkpoint(
     tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
                             max_context=max_context, **profiled)
+    check_storage(report.storage, "refusing to save (please report this)")
     save_fp16_checkpoint(loaded.model, tokenizer(), out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
                          max_shard_size, progress)
     return report
@@ -367,25 +388,32 @@ def apply_checkpoint(
     overwrite: bool = False, progress: bool = True, stream: bool = True, device: str = "auto",
 ) -> tuple[Plan, ScanReport]:
     """Re-apply a saved plan (plan.json, or a converted folder's halfsafe.json) to another checkpoint of the same
-    architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. The scan
-    says whether the new weights still fit: a fine-tune can grow activations."""
+    architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. Refused, with
+    nothing written, when the plan would ruin a tensor's fp16 copy or the scan finds the result not fp16-safe (a
+    fine-tune can grow activations); the returned scan says whether the plan's margin was kept."""
     from .calibration import read_texts
     from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
-    from .loading import load_model
+    from .loading import input_paths, load_model
 
-    check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite, inputs=input_paths(source))
     plan = Plan.load(plan_path)
     loaded = load_model(source, stream=stream, device=resolve_device(device))
-    check_out_dir(out, overwrite, output_bytes(loaded.model))
-    apply_plan_(loaded.model, plan)
+    check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])
+    storage = apply_measured_(loaded.model, plan)
+    check_storage(storage, f"this plan does not suit these weights; nothing was written. Run `halfsafe convert {source} OUT` instead")
     vocab = loaded.model.config.get_text_config().vocab_size
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
     tokenizer = loaded.set_tokenizer_aside()
     after = scan(loaded.model, samples, fp16_check=True, progress=progress, name=str(source))
     peak = after.peak
+    if not after.fp16_safe or after.first_nonfinite_fp16 is not None:  # never saved, never called safe
+        where = f", first non-finite fp16 module {after.first_nonfinite_fp16}" if after.first_nonfinite_fp16 else ""
+        raise HalfsafeError(f"not fp16-safe after the plan: peak {peak.abs_max:.4g} at {peak.name}{where}; this checkpoint's "
+                            f"activations outgrew the plan and nothing was written. Run `halfsafe convert {source} OUT` instead")
     info = {"source": str(source), "applied_plan_from": str(plan_path), "plan": plan.to_dict(), "peak_after": peak.abs_max,
             "scan_after": {"fp16_safe": after.fp16_safe, "first_nonfinite_fp16": after.first_nonfinite_fp16,
                            "peak_site": peak.name, "headroom_bits": peak.headroom_bits,
-                           "margin_kept": peak.headroom_bits >= plan.headroom_bits}}
+                           "margin_kept": peak.headroom_bits >= plan.headroom_bits},
+            "tensor_storage": storage}
     save_fp16_checkpoint(loaded.model, tokenizer(), out, info, loaded.folder, overwrite, progress=progress)
     return plan, after

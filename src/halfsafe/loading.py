@@ -1,6 +1,8 @@
 """Load a model from a folder, a GGUF file, a hub id already in the local cache, or the built-in fixture.
 
-Never downloads: everything comes from disk. Every failure becomes a one-line HalfsafeError.
+Never downloads: everything comes from disk, and only from inside the model's folder, and no code the folder ships
+runs (`halfsafe.trust`). The input is checked before anything slow starts (`halfsafe.validate`). Every failure
+becomes a one-line HalfsafeError.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from .errors import HalfsafeError, UnsupportedModelError
+from .trust import check_folder, from_pretrained, inside
 
 FIXTURE_NAMES = ("gemma3-270m",)
 _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageTextToText",
@@ -73,16 +76,31 @@ def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, st
     )
 
 
+def input_paths(source: str | os.PathLike) -> list[Path]:
+    """What loading `source` reads from, as far as it is known before loading: the folder or file named, the
+    fixture's folder. The writers keep their output out of these (`checkpoint.refuse_overlap`)."""
+    source = str(source)
+    if source in FIXTURE_NAMES:
+        from .fixtures import FIXTURE_DIRNAME, cache_dir
+
+        return [cache_dir() / FIXTURE_DIRNAME]
+    path = Path(source).expanduser()
+    return [path] if path.exists() else []
+
+
 def read_config(folder: Path) -> PretrainedConfig:
+    """The folder's config; every folder halfsafe loads passes here first, so its trust checks run before transformers."""
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise HalfsafeError(f"{folder} has no config.json: point at a Hugging Face model folder (config.json + *.safetensors)")
+    check_folder(folder)
+    config_file = inside(folder, "config.json")
     try:
         json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HalfsafeError(f"{config_file} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}): re-save or re-download it") from None
     try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True)
+        return from_pretrained(AutoConfig, folder, local_files_only=True)
     except (ValueError, KeyError) as e:
         model_type = json.loads(config_file.read_text()).get("model_type", "?")
         raise UnsupportedModelError(
@@ -109,16 +127,20 @@ def model_class_for(config: PretrainedConfig):
 def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu") -> LoadedModel:
     from .engine.shards import Shards
 
+    from .validate import check_config, check_finite
+
     config = read_config(folder)
     shards = Shards(folder)  # refuses pickled weights, missing shards and unreadable headers up front
     cls = model_class_for(config)
+    check_config(config, cls, shards, folder)  # before anything is built from it
+    check_finite(shards, folder)
     if stream:
         streamed = _try_stream(folder, config, cls, shards, device)
         if streamed is not None:
             return LoadedModel(streamed, _load_tokenizer(folder), source, folder)
     try:
         with quiet_transformers():
-            model = cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+            model = from_pretrained(cls, folder, dtype=dtype, local_files_only=True)
     except Exception as e:  # corrupt or truncated weights surface as many exception types
         raise HalfsafeError(
             f"could not load the weights in {folder} ({_first_line(e)}): the checkpoint looks corrupt; re-download or re-save it"
@@ -140,23 +162,26 @@ def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str
         logging.getLogger(__name__).warning("%s; loading the whole model instead", e)
         return None
     if (folder / "generation_config.json").is_file():
-        streamed.model.generation_config = GenerationConfig.from_pretrained(folder)
+        streamed.model.generation_config = from_pretrained(GenerationConfig, folder, local_files_only=True)
     return streamed.model
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedModel:
     try:
         with quiet_transformers():
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-            model = model_class_for(config).from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            config = from_pretrained(AutoConfig, path.parent, gguf_file=path.name)
+            model = from_pretrained(model_class_for(config), path.parent, gguf_file=path.name, dtype=dtype)
     except ImportError as e:
         raise HalfsafeError(f"reading GGUF needs the gguf package: pip install gguf ({_first_line(e)})") from None
     except Exception as e:
         raise HalfsafeError(f"could not read the GGUF file {path} ({_first_line(e)}): check that it is complete") from None
     _forget_gguf_quantization(model)
     model.eval()
+    from .validate import check_finite_parameters
+
+    check_finite_parameters(model, source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = from_pretrained(AutoTokenizer, path.parent, gguf_file=path.name)
     except Exception:
         tokenizer = None
     return LoadedModel(model, tokenizer, source, None)
@@ -192,7 +217,7 @@ def _load_tokenizer(folder: Path):
         return None
     try:
         with quiet_transformers():
-            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            return from_pretrained(AutoTokenizer, folder, local_files_only=True)
     except Exception:
         logging.getLogger(__name__).warning("could not load the tokenizer in %s; feeding text as byte ids", folder)
         return None

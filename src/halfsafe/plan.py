@@ -14,11 +14,11 @@ from .engine.streamed import value_blocks
 from .families import GAIN1P
 from .formats import FP16_MAX
 from .groups import Group, select_parts
+from .plan_schema import MIN_EXPONENT  # below this a scale pushes ordinary weights into fp16 subnormals
 from .rewrite import _index, select_key, eps_exponent, scoped_eps_exponents, tensor_exponents
 from .stats import SiteStats
 
 FP16_MAX_BITS = math.log2(FP16_MAX)
-MIN_EXPONENT = -24  # below this a scale pushes ordinary weights into fp16 subnormals
 
 
 @dataclass
@@ -37,6 +37,12 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         for site, p in sites_moved.items():
             if p:
                 powers_by_site.setdefault(site, {})[g] = p
+    bad = next((name for name, s in sites.items() if not math.isfinite(s.abs_max)), None)
+    if bad is not None:
+        from .errors import HalfsafeError
+
+        raise HalfsafeError(f"{bad} is non-finite even in float32: the model's weights are corrupt (or its inputs); "
+                            "re-download or re-save the checkpoint")
     out = [
         Constraint(name, math.log2(s.abs_max), powers_by_site.get(name, {}))
         for name, s in sites.items()
@@ -176,18 +182,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        from .errors import HalfsafeError
+        """A plan read from a file, refused in one line unless `plan_schema.validate` accepts it."""
+        from .plan_schema import validate
 
-        version = int(d.get("format", 1))
-        if version > PLAN_FORMAT:
-            raise HalfsafeError(f"this plan is format {version}, made by halfsafe {d.get('halfsafe_version', '?')}; this "
-                                f"halfsafe reads formats up to {PLAN_FORMAT}: upgrade halfsafe")
-        try:
-            return cls(d["family"], d["model_type"], {k: int(v) for k, v in d["exponents"].items()}, float(d["headroom_bits"]),
-                       d.get("tensors", []), int(d.get("eps_exponent", 0)), {k: int(v) for k, v in d.get("eps_fields", {}).items()},
-                       d.get("context_length"), version, d.get("halfsafe_version", ""))
-        except (KeyError, TypeError, ValueError) as e:
-            raise HalfsafeError(f"not a halfsafe plan ({type(e).__name__}: {e}): pass a plan.json or halfsafe.json") from None
+        d = validate(d, PLAN_FORMAT)
+        return cls(d["family"], d["model_type"], dict(d["exponents"]), float(d["headroom_bits"]),
+                   [dict(t) for t in d["tensors"]], d.get("eps_exponent", 0), dict(d.get("eps_fields", {})),
+                   d.get("context_length"), d["format"], d.get("halfsafe_version", ""))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -201,9 +202,9 @@ class Plan:
             path = path / "halfsafe.json"
         try:
             d = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise HalfsafeError(f"cannot read a plan from {path} ({e}): pass a plan.json or a converted folder") from None
-        return cls.from_dict(d.get("plan", d) if isinstance(d, dict) else {})
+        except (OSError, ValueError, RecursionError) as e:
+            raise HalfsafeError(f"cannot read a plan from {path} ({type(e).__name__}): pass a plan.json or a converted folder") from None
+        return cls.from_dict(d.get("plan", d) if isinstance(d, dict) else d)
 
 
 def tensor_table(groups: list[Group], exponents: dict[str, int], shapes: dict[str, tuple] | None = None) -> list[dict]:

@@ -1,7 +1,10 @@
 """Measure, rather than assume, which activations each group moves.
 
 Each group spec is applied with exponent -1 (the direction plans go) on a short input; every measured
-tensor whose peak halves (or doubles) is governed by that group with power +1 (-1). The same run proves the group exact: the
+tensor whose every entry along its last dim halves (or doubles) at its peak is governed by that group with
+power +1 (-1). Comparing the peak of each last-dim entry, not only the tensor's peak, tells a fused tensor
+(GPT-2's c_attn: q moves, k moves the other way, v stays) from one that moves whole, whatever the weights:
+a tensor moved only in part, or not by a whole power, is recorded with power 0. The same run proves the group exact: the
 model's output must not change. Family data that is wrong for this model fails here, loudly.
 The groups of one spec are scaled together, in one pass, unless some share a block (a post-norm group
 spanning blocks i and i+1): then in as few passes as keep every measured activation's owner unambiguous.
@@ -24,15 +27,39 @@ from .sites import Site, block_of
 from .stats import ActivationCollector
 
 EXACT_RTOL = 1e-4  # float32 output change allowed for a probe (exact algebra; only eps rounding differs)
-_POWER_TOL = 1e-3
+# Entries this far under the site's peak are left out: they come from cancellation (attention outputs, sums of
+# signed terms), where last-bit differences (a norm's moved eps) are a large part of the value.
+_COLUMN_FLOOR = 2.0 ** -8
+# How far one entry's move may be from a whole power: a norm whose eps moved rounds its output differently in
+# the last bits, and an attention or GELU output after it carries that as up to ~2e-3 of a power (measured on
+# tiny Pegasus); 1/64 still tells 0 from +-1 apart by far.
+_COLUMN_TOL = 1.0 / 64
 PROBE_EXPONENT = -1
 
 
 @torch.no_grad()
-def _measure(model: PreTrainedModel, ids: torch.Tensor) -> tuple[dict[str, float], torch.Tensor]:
-    with ActivationCollector(model) as c:
+def _measure(model: PreTrainedModel, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """site -> the peak |x| of each entry along its last dim; the model's output."""
+    with ActivationCollector(model, columns=True) as c:
         out = forward_logits(model, ids)
-    return {k: s.abs_max for k, s in c.sites.items()}, out
+    return {k: s.column_max for k, s in c.sites.items() if s.column_max is not None}, out
+
+
+def _power(before: torch.Tensor, after: torch.Tensor | None) -> float | None:
+    """The whole power a site moves by (None: it does not move; 0.0: only in part, or not by a whole power)."""
+    if after is None or after.shape != before.shape:
+        return None
+    finite = torch.isfinite(before) & torch.isfinite(after)
+    if not finite.any():
+        return None
+    seen = finite & (before > 0) & (before >= before[finite].max() * _COLUMN_FLOOR)
+    if not seen.any():
+        return None
+    powers = torch.log2(after[seen].double() / before[seen].double()) / PROBE_EXPONENT
+    if bool((powers.abs() < _COLUMN_TOL).all()):
+        return None
+    whole = round(float(powers[0])) if math.isfinite(float(powers[0])) else 0
+    return float(whole) if whole and bool(((powers - whole).abs() < _COLUMN_TOL).all()) else 0.0
 
 
 def _rel_change(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -58,20 +85,16 @@ def probe(model: PreTrainedModel, family: Family, groups: list[Group], ids: torc
                 f"{change:.2e} (relative); the family data does not hold for this model (families/{family.name}.py)"
             )
         for site, before in base.items():
-            after = moved.get(site, before)
-            if not (before > 0 and math.isfinite(before) and math.isfinite(after)):
-                continue
-            power = (math.log2(after / before) if after > 0 else -math.inf) / PROBE_EXPONENT
-            if abs(power) < _POWER_TOL:
+            power = _power(before, moved.get(site))
+            if power is None:
                 continue
             owner = _owner(site, members)
             if owner is None:
                 raise UnsupportedModelError(
                     f"family {family.name}, group {spec}: it moves {site}, outside the blocks (and experts) it was declared in"
                 )
-            # A tensor only partly moved (a fused projection) may not move by a whole power: planning
-            # counts on the part that does not move.
-            governed[owner][site] = round(power) if abs(power - round(power)) < _POWER_TOL else 0.0
+            # A tensor only partly moved (a fused projection): planning counts on the part that does not move.
+            governed[owner][site] = int(power) if power else 0.0
     return governed
 
 

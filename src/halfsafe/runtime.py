@@ -51,8 +51,10 @@ def load_pure_fp16(model_class: type, path, **kwargs) -> PreTrainedModel:
     float16), otherwise it is the same single rounding a direct float16 load does; it only costs their float32
     size in memory for a moment.
     """
+    from .trust import from_pretrained
+
     with pure_fp16(model_class):
-        model = model_class.from_pretrained(path, dtype=torch.float16, **kwargs)
+        model = from_pretrained(model_class, path, dtype=torch.float16, **kwargs)
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != torch.float16:
             p.data = p.data.to(torch.float16)

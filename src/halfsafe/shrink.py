@@ -223,6 +223,34 @@ def randomize_(model: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
     return model.eval()
 
 
+def _sharing(model: nn.Module) -> dict[str, str]:
+    """parameter name -> the first name of the tensor it is (a tied weight's names all map to one)."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@torch.no_grad()
+def share_like(small: PreTrainedModel, real: PreTrainedModel) -> PreTrainedModel:
+    """Tie and untie `small`'s parameters as `real`'s are, for every name both have (the config alone does not
+    say: transformers unties a head the checkpoint stores apart, and T5's config forces `tie_word_embeddings`).
+    An untied copy gets values of its own."""
+    want, have = _sharing(real), _sharing(small)
+    params = dict(small.named_parameters(remove_duplicate=False))
+    groups: dict[tuple, list[str]] = defaultdict(list)  # the tensor each name must be -> its names
+    for name in have:
+        groups[("real", want[name]) if name in want else ("small", have[name])].append(name)
+    for names in groups.values():
+        p = params[names[0]]
+        alone = {n for n in have if have[n] == have[names[0]]} == set(names)  # p is exactly these names' tensor
+        if not alone:
+            p = nn.Parameter(p.detach().clone() + torch.randn_like(p) * 0.02, requires_grad=p.requires_grad)
+        for name in names:
+            if params[name] is not p:
+                module, _, attr = name.rpartition(".")
+                setattr(small.get_submodule(module), attr, p)
+    return small
+
+
 # ----- block kinds
 
 _FLAG = (bool, str, type(None))
@@ -286,7 +314,7 @@ def shrunk_model(model: PreTrainedModel, groups: list[Group] | None = None, seed
         if why is None:
             torch.manual_seed(seed)  # the constructor's own initialisation
             with torch.random.fork_rng(devices=[]):
-                return randomize_(_build(config, type(model), "cpu").float(), seed)
+                return randomize_(share_like(_build(config, type(model), "cpu").float(), model), seed)
     raise UnsupportedModelError(f"cannot shrink {model.config.model_type} (up to {min(most, MAX_BLOCKS)} blocks): {why}")
 
 
@@ -321,22 +349,24 @@ class _Mapping:
             self.real_of[s].append(r)
         self.small_blocks = [f"{p}.{j}" for p, s in self.small_lists.items() for j in range(len(s))]
 
-    def rename(self, site: str, blocks: dict[str, list[str]]) -> list[str]:
+    def rename(self, site: str, blocks: dict[str, list[str]], expert: int | None = None) -> list[str]:
         """A shrunk site under each real name it stands for; `blocks`: shrunk block -> the real blocks it stands
-        for here (a site in a shrunk block not named there stands for nothing)."""
+        for here (a site in a shrunk block not named there stands for nothing). An expert's site stands for each
+        real expert it is taken for (k % shrunk experts), or for real expert `expert` alone where that is given."""
         parsed = Site.parse(site)
         module = parsed.module
         b = block_of(module, self.small_blocks)
         modules = [module] if b is None else [r + module[len(b):] for r in blocks.get(b, ())]
         if parsed.expert is None:
-            return [str(Site(x, parsed.kind)) for x in modules]
+            return [str(Site(x, parsed.kind, parsed.call)) for x in modules]
         n_small = self.small_experts.get(module)
         out = []
         for x in modules:
             n_real = self.real_experts.get(x)
             if n_small is None or n_real is None:
                 raise UnsupportedModelError(f"{site}: no fused experts module {x} in the real model")
-            out += [str(Site.of_expert(x, k, parsed.part)) for k in range(n_real) if k % n_small == parsed.expert]
+            ks = [expert] if expert is not None else [k for k in range(n_real) if k % n_small == parsed.expert]
+            out += [str(Site.of_expert(x, k, parsed.part).at_call(parsed.call)) for k in ks]
         return out
 
 
@@ -358,17 +388,23 @@ def map_governed(real: PreTrainedModel, real_groups: list[Group], small: PreTrai
                 blocks[_next(j)] = [_next(g.block)]
             counterpart = f"{g.spec}@{j}"
             if g.expert is not None:
-                n_small = sum(1 for s in small_groups if s.spec == g.spec and s.block == j)
-                counterpart += f"#{g.expert % max(n_small, 1)}"
+                counterpart = _expert_counterpart(g, counterpart, small_groups, governed)
         if counterpart not in small_names:
             raise UnsupportedModelError(f"group {g.name}: the shrunk model has no group {counterpart}")
         moved = out[g.name] = {}
         for site, power in governed[counterpart].items():
-            for name in mp.rename(site, blocks):
-                expert = Site.parse(name).expert if g.expert is not None else None
-                if expert is None or expert == g.expert:  # one expert's group: its own expert's sites
-                    moved[name] = power
+            for name in mp.rename(site, blocks, g.expert):
+                moved[name] = power
     return out
+
+
+def _expert_counterpart(g: Group, block_spec: str, small_groups: list[Group], governed: dict) -> str:
+    """The shrunk expert group standing for real expert g.expert: expert g.expert % n of the same block, or, where
+    the probe's few tokens reached no token to it (its sites were never measured), the next expert that was
+    reached: every expert of one block is the same module, so any reached one shows what the group moves."""
+    n = sum(1 for s in small_groups if f"{s.spec}@{s.block}" == block_spec) or 1
+    names = [f"{block_spec}#{(g.expert + i) % n}" for i in range(n)]
+    return next((c for c in names if governed.get(c)), names[0])
 
 
 def _next(block: str) -> str:

@@ -6,8 +6,14 @@ A *site* is one tensor the model computes, named "module:kind":
     "name:expert<e>"         expert e's gated product inside a fused-experts module (what its down projection reads)
     "name:expert<e>.gate"    ... its gate pre-activation
     "name:expert<e>.up"      ... its up pre-activation
+    "name:out@2"             the same tensor at the module's 2nd call inside one run of the module around it
 Module names contain dots, never ":"; the kind is what follows the last ":". Reports, plans and the dicts
 that carry measurements key sites by these strings; `Site` parses and formats them, so they stay the same.
+
+A module called more than once inside one forward of the module that calls it (T5's `T5Stack.dropout`, applied
+to the embeddings, which move with the residual stream, and after the final norm, which does not) computes a
+different tensor at each call, and a rescale may move one call and not the other: each call is its own site,
+the first keeping the plain name, so no site's owner has to be guessed from a maximum over calls.
 """
 
 from __future__ import annotations
@@ -23,15 +29,17 @@ from .errors import HalfsafeError
 from .formats import FP16_MAX
 
 _KIND = re.compile(r"(in|out|expert(\d+)(\.gate|\.up)?)")
+_CALL = re.compile(r"(.*)@([2-9]|[1-9]\d+)")  # "@<n>" after the kind: the n-th call (n >= 2)
 
 
 @dataclass(frozen=True)
 class Site:
     module: str
     kind: str = "out"  # "in", "out", "expert<e>", "expert<e>.gate", "expert<e>.up"
+    call: int = 1  # which call of the module inside one run of its caller (1: the first, named without "@")
 
     def __post_init__(self) -> None:
-        if ":" in self.module or not _KIND.fullmatch(self.kind):
+        if ":" in self.module or not _KIND.fullmatch(self.kind) or not (isinstance(self.call, int) and self.call >= 1):
             raise HalfsafeError(f"not a site: {self.module!r}, {self.kind!r}: write it as 'module:out', 'module:in' "
                                 "or 'module:expert<e>[.gate|.up]'")
 
@@ -42,7 +50,8 @@ class Site:
         module, sep, kind = text.rpartition(":")
         if not sep:
             raise HalfsafeError(f"not a site: {text!r}: write it as 'module:out', 'module:in' or 'module:expert<e>[.gate|.up]'")
-        return cls(module, kind)
+        call = _CALL.fullmatch(kind)
+        return cls(module, call.group(1), int(call.group(2))) if call else cls(module, kind)
 
     @classmethod
     def of_expert(cls, module: str, expert: int, part: str = "") -> "Site":
@@ -50,7 +59,10 @@ class Site:
         return cls(module, f"expert{expert}" + (f".{part}" if part else ""))
 
     def __str__(self) -> str:
-        return f"{self.module}:{self.kind}"
+        return f"{self.module}:{self.kind}" + (f"@{self.call}" if self.call > 1 else "")
+
+    def at_call(self, call: int) -> "Site":
+        return Site(self.module, self.kind, call)
 
     @property
     def expert(self) -> int | None:

@@ -35,6 +35,8 @@ class SiteStats:
     nonzero: int = 0
     numel: int = 0
     nonfinite: int = 0
+    track_columns: bool = False  # keep `column_max` too (the probe tells a fused tensor's parts apart by it)
+    column_max: torch.Tensor | None = None  # max |x| of each entry along the last dim, over everything else
 
     @property
     def module(self) -> str:
@@ -57,6 +59,17 @@ class SiteStats:
         # In chunks, so a [seq, vocab] logits tensor needs no full-size temporaries.
         for chunk in x.detach().flatten().split(_CHUNK):
             self._update_chunk(chunk)
+        if self.track_columns:
+            self._update_columns(x.detach())
+
+    def _update_columns(self, x: torch.Tensor) -> None:
+        cols = x.abs().reshape(-1, x.shape[-1] if x.dim() else 1).amax(0).float().cpu()
+        if self.column_max is None:
+            self.column_max = cols
+        elif self.column_max.shape == cols.shape:
+            self.column_max = torch.maximum(self.column_max, cols)
+        else:  # calls of another width share this site: only the whole tensor's max is comparable
+            self.column_max = torch.maximum(self.column_max.max(), cols.max()).reshape(1)
 
     def _update_chunk(self, x: torch.Tensor) -> None:
         a = x.abs()
@@ -114,25 +127,26 @@ class ActivationCollector:
 
     `stop_at_nonfinite=True` records only the first module whose output is non-finite
     (`c.first_nonfinite`), which is how the fp16 check names where a model breaks.
+    A module called again inside one run of the module around it records each call as its own site
+    ("name:out@2", see `sites`); calls made from outside every hooked module (the LM head run on chunks of
+    positions) are one site.
     """
 
     model: nn.Module
     stop_at_nonfinite: bool = False
+    columns: bool = False  # each site's `column_max` too
     sites: dict[str, SiteStats] = field(default_factory=dict)
     first_nonfinite: str | None = None
     _handles: Hooks = field(default_factory=Hooks)
+    _running: list = field(default_factory=list)  # one [name, calls inside it, its own call] frame per module now running, outermost first
 
     def __enter__(self) -> "ActivationCollector":
         try:
             for name, module in self.model.named_modules():
-                if not name:
-                    continue  # the model itself: its output is the logits, measured as the head's output
+                measured = bool(name)  # the model itself: its output is the logits, measured as the head's output
                 is_leaf = next(module.children(), None) is None
-                if is_leaf:
-                    self._handles.add_pre(module, self._pre_hook(name, module))
-                self._handles.add_post(module, self._hook(name, module))
-                if is_fused_experts(module):
-                    self._handles.add_post(module, self._experts_hook(name, module), with_kwargs=True)
+                self._handles.add_pre(module, self._pre_hook(name, module, measured and is_leaf))
+                self._handles.add_post(module, self._hook(name, module, measured), with_kwargs=True, always_call=True)
         except BaseException:
             self._handles.remove()
             raise
@@ -140,6 +154,7 @@ class ActivationCollector:
 
     def __exit__(self, *exc) -> None:
         self._handles.remove()
+        self._running.clear()
 
     def _record(self, site: str, module: nn.Module, value) -> None:
         t = first_tensor(value)
@@ -151,32 +166,42 @@ class ActivationCollector:
             return
         stats = self.sites.get(site)
         if stats is None:
-            stats = self.sites[site] = SiteStats(site, type(module).__name__)
+            stats = self.sites[site] = SiteStats(site, type(module).__name__, track_columns=self.columns)
         stats.update(t)
 
-    def _pre_hook(self, name: str, module: nn.Module):
-        site = str(Site(name, "in"))
+    def _enter_call(self, name: str) -> int:
+        """Push a frame for `name`; its call number inside the module that runs around it."""
+        call = 1
+        if self._running:
+            calls = self._running[-1][1]
+            call = calls[name] = calls.get(name, 0) + 1
+        self._running.append([name, {}, call])
+        return call
+
+    def _pre_hook(self, name: str, module: nn.Module, measure_input: bool):
+        site = Site(name, "in")
 
         def hook(mod, args):
-            self._record(site, module, args)
+            call = self._enter_call(name)
+            if measure_input:
+                self._record(str(site.at_call(call)), module, args)
 
         return hook
 
-    def _hook(self, name: str, module: nn.Module):
-        site = str(Site(name, "out"))
+    def _hook(self, name: str, module: nn.Module, measured: bool):
+        site, experts = Site(name, "out"), is_fused_experts(module)
 
-        def hook(mod, args, output):
-            self._record(site, module, output)
-
-        return hook
-
-    def _experts_hook(self, name: str, module: nn.Module):
         def hook(mod, args, kwargs, output):
-            if self.stop_at_nonfinite:
+            if not self._running or self._running[-1][0] != name:  # a hook added while this module was running
                 return
-            for e, parts in expert_products(mod, args, kwargs):
-                for part, t in parts.items():
-                    self._record(str(Site.of_expert(name, e, part)), module, t)
+            call = self._running.pop()[2]
+            if not measured or output is None:
+                return
+            self._record(str(site.at_call(call)), module, output)
+            if experts and not self.stop_at_nonfinite:
+                for e, parts in expert_products(mod, args, kwargs):
+                    for part, t in parts.items():
+                        self._record(str(Site.of_expert(name, e, part).at_call(call)), module, t)
 
         return hook
 

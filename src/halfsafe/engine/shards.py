@@ -2,7 +2,8 @@
 
 halfsafe never unpickles: a folder holding only `.bin`/`.pt` weights is refused with the command that turns it
 into safetensors. A shard named in the index but absent, or a file whose header does not parse, is a one-line
-error before any work starts.
+error before any work starts. Every file the checkpoint names is resolved inside the folder (`trust.inside`), and
+a shard larger than this machine can map is refused before it is opened.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import HalfsafeError
+from ..trust import inside
+from ..validate import check_mappable
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -30,15 +33,16 @@ class Shards:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.file_of = _file_of_each_key(self.folder)
+        self._paths = {name: inside(self.folder, name) for name in set(self.file_of.values())}
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for name in sorted(set(self.file_of.values())):
+        for name in sorted(self._paths):
             try:
-                with safe_open(self.folder / name, "pt") as f:
+                with safe_open(self._paths[name], "pt") as f:
                     for key in f.keys():
                         if self.file_of.get(key) == name:
                             s = f.get_slice(key)
                             self._meta[key] = (tuple(s.get_shape()), _DTYPES[s.get_dtype()])
-            except (SafetensorError, OSError) as e:
+            except (SafetensorError, OSError, RuntimeError) as e:
                 raise HalfsafeError(f"{self.folder / name} is not a readable safetensors file ({_first_line(e)}): "
                                     "re-download or re-save the checkpoint") from None
         missing = [k for k in self.file_of if k not in self._meta]
@@ -59,6 +63,10 @@ class Shards:
 
     def dtype(self, key: str) -> torch.dtype:
         return self._meta[key][1]
+
+    def path(self, key: str) -> Path:
+        """The file holding `key`, resolved inside the folder."""
+        return self._paths[self.file_of[key]]
 
     def __enter__(self):
         """`with shards: ...` keeps the files open for a batch of loads (one unit's tensors)."""
@@ -87,15 +95,15 @@ class Shards:
         if self._stack is not None:
             f = self._open.get(name)
             if f is None:
-                f = self._open[name] = self._stack.enter_context(safe_open(self.folder / name, "pt"))
+                f = self._open[name] = self._stack.enter_context(safe_open(self._paths[name], "pt"))
             return _owned(f.get_tensor(key), dtype)
-        with safe_open(self.folder / name, "pt") as f:
+        with safe_open(self._paths[name], "pt") as f:
             return _owned(f.get_tensor(key), dtype)
 
     def load_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows [start, stop) of the stored tensor, as `load` gives the whole. The file is opened for this read
         alone: only these rows' pages are ever mapped."""
-        with safe_open(self.folder / self.file_of[key], "pt") as f:
+        with safe_open(self._paths[self.file_of[key]], "pt") as f:
             return _owned(f.get_slice(key)[start:stop], dtype)
 
     def load_index(self, key: str, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -106,7 +114,7 @@ class Shards:
             if i == len(rows) or rows[i] != rows[i - 1] + 1:
                 runs.append((rows[start], rows[i - 1] + 1))
                 start = i
-        with safe_open(self.folder / self.file_of[key], "pt") as f:
+        with safe_open(self._paths[self.file_of[key]], "pt") as f:
             s = f.get_slice(key)
             parts = [_owned(s[a:b], dtype) for a, b in runs]
         if not parts:
@@ -136,16 +144,22 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 def _file_of_each_key(folder: Path) -> dict[str, str]:
+    """key -> the file holding it, every file resolved inside `folder` and small enough to map."""
     index = folder / INDEX
     if index.is_file():
+        index = inside(folder, INDEX)
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise HalfsafeError(f"{index} is not a valid safetensors index: re-download or re-save the checkpoint") from None
-        absent = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise HalfsafeError(f"{index}'s weight_map is not a map of names to files: re-download or re-save the checkpoint")
+        absent = sorted({f for f in weight_map.values() if not inside(folder, f).is_file()})
         if absent:
             raise HalfsafeError(f"{folder} is missing {absent[0]}, a weight shard its index names"
                                 f"{f' (and {len(absent) - 1} more)' if len(absent) > 1 else ''}: download every shard")
+        for f in sorted(set(weight_map.values())):
+            check_mappable(inside(folder, f))
         return dict(weight_map)
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
@@ -157,11 +171,13 @@ def _file_of_each_key(folder: Path) -> dict[str, str]:
         raise HalfsafeError(f"{folder} has no weights (*.safetensors): copy the weight files next to config.json")
     out: dict[str, str] = {}
     for name in files:
+        path = inside(folder, name)
+        check_mappable(path)
         try:
-            with safe_open(folder / name, "pt") as f:
+            with safe_open(path, "pt") as f:
                 for key in f.keys():
                     out.setdefault(key, name)
-        except (SafetensorError, OSError) as e:
+        except (SafetensorError, OSError, RuntimeError) as e:
             raise HalfsafeError(f"{folder / name} is not a readable safetensors file ({_first_line(e)}): "
                                 "re-download or re-save the checkpoint") from None
     return out

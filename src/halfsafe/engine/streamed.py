@@ -244,14 +244,53 @@ def compute_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+def untie_stored_apart(model: PreTrainedModel, shards: Shards) -> list[str]:
+    """Untie what from_pretrained unties: a pair the config ties (`all_tied_weights_keys`, target -> source) whose
+    two tensors the checkpoint both stores, with different values (a T5 v1.1 checkpoint with its own lm_head under
+    a config that says `tie_word_embeddings: true`; transformers warns "we will NOT tie them"). The target gets
+    its own parameter, so the skeleton is the model transformers loads. Returns the untied targets."""
+    untied = []
+    for target, source in list(getattr(model, "all_tied_weights_keys", {}).items()):
+        p = model.get_parameter(target)
+        stored = [_stored_key(model, shards, n, p.shape) for n in (target, source)]
+        if None in stored or _same_stored(shards, *stored):
+            continue
+        owner, _, attr = target.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        model.all_tied_weights_keys.pop(target)
+        untied.append(target)
+    return untied
+
+
+def _stored_key(model: PreTrainedModel, shards: Shards, name: str, shape) -> str | None:
+    found = [k for k in (name, saved_name(model, name, shape)) if k is not None and k in shards]
+    return next((k for k in found if tuple(shards.shape(k)) == tuple(shape)), None)
+
+
+def _same_stored(shards: Shards, a: str, b: str) -> bool:
+    """Two stored tensors hold the same values (compared a block of rows at a time)."""
+    if a == b:
+        return True
+    shape = shards.shape(a)
+    if shape != shards.shape(b) or shards.dtype(a) != shards.dtype(b):
+        return False
+    if len(shape) < 2:
+        return torch.equal(shards.load(a), shards.load(b))
+    step = rows_per_read(shape, shards.dtype(a).itemsize)
+    return all(torch.equal(shards.load_rows(a, i, j), shards.load_rows(b, i, j)) for i, j in row_spans(shape[0], step))
+
+
 def checkpoint_keys(model: PreTrainedModel, shards: Shards) -> dict[str, str | None]:
     """parameter name -> the checkpoint key holding it, or None where transformers renames, merges or splits the
     stored tensors on load in a way one key cannot hold (per-expert MoE weights): such checkpoints are loaded whole,
     by transformers itself."""
     bare = bool(getattr(model, "base_model_prefix", "")) and getattr(model, "base_model", None) is model
+    aliases: dict[int, list[str]] = {}  # a tied parameter is read from whichever of its names the checkpoint stores
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
     keys = {}
     for name, p in model.named_parameters():
-        candidates = [name, saved_name(model, name, p.shape)]
+        candidates = [k for alias in aliases[id(p)] for k in (alias, saved_name(model, alias, p.shape))]
         if bare:
             candidates.append(f"{model.base_model_prefix}.{name}")  # a bare base model read from a checkpoint saved with its head
         keys[name] = next((k for k in candidates if k is not None and k in shards and tuple(shards.shape(k)) == tuple(p.shape)), None)
@@ -279,6 +318,7 @@ def build(config: PretrainedConfig, cls, shards: Shards, device: str | torch.dev
     with init_empty_weights(include_buffers=False):
         model = cls._from_config(config, dtype=torch.float32)
     model.tie_weights()
+    untie_stored_apart(model, shards)
     model.eval()
     keys = checkpoint_keys(model, shards)
     missing = [n for n, k in keys.items() if k is None]

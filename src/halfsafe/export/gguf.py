@@ -31,7 +31,10 @@ def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
     """Copy `converted` to `out` with every 1-D floating tensor in fp32 (exact); everything else unchanged."""
     from safetensors.torch import load_file, save_file
 
+    from ..trust import check_folder, inside
+
     converted, out = Path(converted), Path(out)
+    check_folder(converted)  # nothing copied from outside it
     files = sorted(converted.glob("*.safetensors"))
     if not files:
         raise HalfsafeError(f"{converted} has no *.safetensors: give the folder `halfsafe convert` wrote")
@@ -40,7 +43,7 @@ def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
     for f in files:
-        tensors = load_file(f)
+        tensors = load_file(inside(converted, f.name))
         tensors = {k: (v.float() if v.dim() == 1 and v.is_floating_point() else v) for k, v in tensors.items()}
         save_file(tensors, out / f.name, metadata={"format": "pt"})
     return out
@@ -73,10 +76,12 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     """
     import gguf
     from safetensors.torch import load_file
-    from transformers import AutoConfig
+
+    from ..loading import read_config
+    from ..trust import inside
 
     converted = Path(converted)
-    config = AutoConfig.from_pretrained(converted, local_files_only=True)
+    config = read_config(converted)
     text = config.get_text_config()
     reader = gguf.GGUFReader(str(gguf_path))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -87,7 +92,7 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     stored = {t.name: t for t in reader.tensors}
     hf = {}
     for f in sorted(converted.glob("*.safetensors")):
-        hf.update(load_file(f))
+        hf.update(load_file(inside(converted, f.name)))
     gain1p = text.model_type in _GAIN1P_TYPES
     rows = []
     for name, w in hf.items():

@@ -210,6 +210,57 @@ def _rename_io(graph) -> None:
         raise HalfsafeError(f"unexpected graph inputs/outputs from {EXPORTER}: {odd[:4]} (please report this)")
 
 
+# The free dimensions as the onnx-community exports name them: transformers.js 4.x builds the empty KV cache from
+# the session's input shapes, `batch_size` resolved to the batch and every other name to 0.
+_DIM_NAMES = {
+    "input_ids": ("batch_size", "sequence_length"),
+    "attention_mask": ("batch_size", "total_sequence_length"),
+    "position_ids": ("batch_size", "sequence_length"),
+    "past_key_values": ("batch_size", None, "past_sequence_length", None),
+    "logits": ("batch_size", "sequence_length", None),
+    "present": ("batch_size", None, "total_sequence_length", None),
+}
+_SYMBOL = re.compile(r"\bs\d+\b")  # torch.export's symbols: s10, s54 + s70, ...
+
+
+def _name_dims(graph, table: dict = _DIM_NAMES) -> None:
+    """Name the graph inputs' and outputs' free dimensions (`table`: by full name, else by the name's first part),
+    and the same symbols in the values inside."""
+    import onnx_ir as ir
+
+    symbols: dict[str, str] = {}
+    for value in list(graph.inputs) + list(graph.outputs):
+        names = table.get(value.name) or table[value.name.split(".")[0]]
+        dims = list(value.shape)
+        for i, name in enumerate(names):
+            if name is not None and not isinstance(dims[i], int):
+                if dims[i].value is not None and _SYMBOL.fullmatch(dims[i].value):
+                    symbols.setdefault(dims[i].value, name)
+                dims[i] = ir.SymbolicDim(name)
+        value.shape = ir.Shape(dims)
+    io = set(graph.inputs) | set(graph.outputs)
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for value in node.outputs:
+            if value.shape is None or value in io:
+                continue
+            dims = [d if isinstance(d, int) or d.value is None else ir.SymbolicDim(_SYMBOL.sub(lambda m: symbols.get(m.group(0), m.group(0)), d.value))
+                    for d in value.shape]
+            value.shape = ir.Shape(dims)
+
+
+def _float32_logits(graph, name: str = "logits") -> None:
+    """A Cast of the fp16 output `name` to float32 as the graph's `name` (the fp16 graph is unchanged): transformers.js
+    3.x in Node (no Float16Array) reads fp16 logits as their raw bits."""
+    import onnx_ir as ir
+
+    index = next(i for i, v in enumerate(graph.outputs) if v.name == name)
+    fp16 = graph.outputs[index]
+    fp16.name = f"{name}_fp16"
+    out = ir.Value(name=name, shape=fp16.shape, type=ir.TensorType(ir.DataType.FLOAT))
+    graph.append(ir.node("Cast", [fp16], {"to": ir.DataType.FLOAT}, outputs=[out], name=f"halfsafe_{name}_float32"))
+    graph.outputs[index] = out
+
+
 def export_program(model):
     """The fp16 ONNX graph (an `onnx_ir.Model`) of a causal LM, with a KV cache and transformers.js I/O names."""
     require_onnx()
@@ -230,6 +281,8 @@ def export_program(model):
         ) from None
     program = exported.program
     _rename_io(program.graph)
+    _name_dims(program.graph)
+    _float32_logits(program.graph)
     return program
 
 
@@ -277,24 +330,182 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _mark_config(folder: Path, external: bool) -> None:
-    """transformers.js reads its loading options from config.json: this export is fp16."""
+def _mark_config(folder: Path, external: bool | list[str], kv_cache: bool = True) -> None:
+    """transformers.js reads its loading options from config.json: fp16 weights, an fp16 KV cache (3.x makes the
+    empty cache in the dtype it names, float32 if none; `kv_cache`: the model has one), and which files keep their
+    weights in an external data file (`external`: the .onnx file names, or True for `model_fp16.onnx`)."""
     path = folder / "config.json"
     config = json.loads(path.read_text())
-    config["transformers.js_config"] = {"dtype": "fp16", **({"use_external_data_format": True} if external else {})}
+    js = {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}} if kv_cache else {"dtype": "fp16"}
+    if external:
+        js["use_external_data_format"] = {name: True for name in (external if isinstance(external, list) else [Path(ONNX_FILE).name])}
+    config["transformers.js_config"] = js
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_onnx(model, folder: Path, source: Path | None = None) -> Path:
-    """Export `model` (all-fp16) into `folder/onnx/model_fp16.onnx`; copy `source`'s side files if given."""
-    program = export_program(model)
-    path = folder / ONNX_FILE
-    save_program(program, path)
+def _mark_tokenizer(folder: Path) -> None:
+    """transformers.js's text-generation pipeline adds special tokens only when tokenizer_config.json says
+    `add_bos_token` or `add_eos_token`; transformers adds what the tokenizer's post-processor adds (Gemma's <bos>).
+    Write the flags the tokenizer's own behaviour implies, so the client encodes a prompt as transformers does."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file() or not (folder / "tokenizer.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    from ..loading import _first_line, quiet_transformers
+    from ..trust import from_pretrained
+
+    try:
+        with quiet_transformers():
+            tokenizer = from_pretrained(AutoTokenizer, folder, local_files_only=True)
+    except Exception as e:  # a tokenizer transformers cannot load: nothing to match
+        log.warning(f"tokenizer in {folder} not loaded ({type(e).__name__}: {_first_line(e)}): add_bos_token not written")
+        return
+    plain = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    full = tokenizer("Hello")["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config = json.loads(path.read_text())
+    config["add_bos_token"] = bos is not None and full[:1] == [bos] and plain[:1] != [bos]
+    config["add_eos_token"] = eos is not None and full[-1:] == [eos] and plain[-1:] != [eos]
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+_CARD_TITLE = "## fp16 ONNX (halfsafe export onnx)"
+_CONVERSION_TITLE = "## float16 conversion (halfsafe)"  # checkpoint._write_card's section
+
+
+# per task: the example call on the card, and what the graph takes and gives (for ONNX Runtime users)
+_CARD_CALLS = {
+    "text-generation": "const out = await pipe('The quick brown fox', { max_new_tokens: 32, do_sample: false });",
+    "text2text-generation": "const out = await pipe('translate English to German: Hello', { max_new_tokens: 32, do_sample: false });",
+    "feature-extraction": "const out = await pipe('The quick brown fox', { pooling: 'none' });  // last_hidden_state",
+    "fill-mask": "const out = await pipe('The quick brown {mask} jumps over the lazy dog.');",
+}
+_CARD_IO = {
+    "text-generation": "`input_ids`, `attention_mask`, `position_ids` (int64) and an fp16 KV cache `past_key_values.{i}.key|value` "
+                       "[batch, kv_heads, past, head_dim] (empty at the start) -> `logits`, `present.{i}.key|value`.",
+    "text2text-generation": "the encoder (`input_ids`, `attention_mask` -> `last_hidden_state`), then the decoder (`input_ids`, "
+                            "`encoder_attention_mask`, `encoder_hidden_states`, fp16 `past_key_values.{i}.decoder.key|value`, "
+                            "empty at the start -> `logits`, `present.{i}.decoder|encoder.key|value`).",
+    "feature-extraction": "`input_ids`, `attention_mask` (and `token_type_ids` where the model has token types; int64) -> "
+                          "`last_hidden_state` (float32).",
+    "fill-mask": "`input_ids`, `attention_mask` (and `token_type_ids` where the model has token types; int64) -> `logits` "
+                 "(float32).",
+}
+
+
+def write_card(folder: Path, files: list[str], task: str = "text-generation", no_js_class: str | None = None) -> None:
+    """The model card's ONNX section: what the files are and how transformers.js and ONNX Runtime load them
+    (`no_js_class`: the model type transformers.js has no class for, then ONNX Runtime only). In a folder without
+    PyTorch weights the conversion section (which says to load them with transformers) is cut down."""
+    path = folder / "README.md"
+    text = path.read_text() if path.is_file() else ""
+    torch_weights = any(folder.glob("*.safetensors"))
+    if not torch_weights and _CONVERSION_TITLE in text:
+        text = text[: text.index(_CONVERSION_TITLE)].rstrip() + "\n"
+    if _CARD_TITLE in text:
+        text = text[: text.index(_CARD_TITLE)].rstrip() + "\n"
+    name = folder.name
+    converted = (folder / "halfsafe.json").is_file()
+    sizes = ", ".join(f"`{f}` ({sum(p.stat().st_size for p in folder.glob(f + '*')) / 2**20:,.0f} MiB)" for f in files)
+    generates = task in ("text-generation", "text2text-generation")
+    output = "logits" if task != "feature-extraction" else "last_hidden_state"
+    mask = _tokenizer_field(folder, "mask_token") or "[MASK]"
+    n_clip = sum(inspect_file(folder / f)["clip_nodes"] for f in files)
+    clips = f"{n_clip} Clip nodes, the modeling code's own fp16 clamp (none added)" if n_clip else "no Clip nodes"
+    lines = [
+        "", _CARD_TITLE, "",
+        (f"Converted by halfsafe (an exact power-of-two rescaling; `halfsafe.json` lists every rescaled tensor), then "
+         if converted else "Not converted by halfsafe (no `halfsafe.json`): its fp16 activations may overflow. ")
+        + f"exported to float16 ONNX: {sizes}. fp16 weights{', fp16 KV cache' if generates else ''}, {clips}; "
+        f"float32 {output} (a Cast at the end of the graph). " + ("" if torch_weights else "There are no PyTorch weights here: load it with "
+                                                                 "transformers.js or ONNX Runtime, not transformers."),
+    ]
+    if no_js_class:
+        lines += ["", f"transformers.js (3.8.1, 4.3.2) has no model class for {no_js_class}: run it with ONNX Runtime."]
+    else:
+        lines += [
+            "",
+            "transformers.js (Node or a browser; tested with 3.8.1 and 4.3.2 in Node 20"
+            + (", and on the WASM backend in Chromium" if task == "text-generation" else "") + "):",
+            "",
+            "```js",
+            "import { env, pipeline } from '@huggingface/transformers';",
+            "env.allowRemoteModels = false;",
+            f"env.localModelPath = '/path/to/the/folder/above/{name}/';",
+            f"const pipe = await pipeline('{task}', '{name}');  // fp16 from config.json",
+            _CARD_CALLS[task].replace("{mask}", mask),
+            "```",
+            "",
+            "Where npm cannot reach onnxruntime-node's download host, `npm install @huggingface/transformers --ignore-scripts`",
+            "installs it all the same (the CPU binaries are in the npm package).",
+        ]
+    lines += ["", "ONNX Runtime: " + _CARD_IO[task]]
+    path.write_text(text.rstrip() + "\n" + "\n".join(lines) + "\n")
+
+
+def _tokenizer_field(folder: Path, key: str):
+    path = folder / "tokenizer_config.json"
+    try:
+        value = json.loads(path.read_text()).get(key) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return value.get("content") if isinstance(value, dict) else value
+
+
+# The exporter modules (this one for decoders, onnx_seq2seq, onnx_encoder) each give: load_fp16(folder) -> model,
+# programs(model) -> (file, graph) pairs one at a time, and finish(folder): config, tokenizer and card for the files.
+
+def programs(model):
+    yield ONNX_FILE, export_program(model)
+
+
+def finish(folder: Path) -> None:
+    if (folder / "config.json").is_file():
+        _mark_config(folder, (folder / (ONNX_FILE + EXTERNAL_DATA_SUFFIX)).exists())
+    _mark_tokenizer(folder)
+    write_card(folder, [ONNX_FILE])
+
+
+def write_onnx(model, folder: Path, source: Path | None = None, exporter=None) -> Path:
+    """Export `model` (all-fp16) into `folder/onnx/` with `exporter` (default: this module, decoders); copy
+    `source`'s side files if given. Returns the last file written (the decoder of an encoder-decoder)."""
+    import sys
+
+    exporter = exporter or sys.modules[__name__]
+    for rel, program in exporter.programs(model):  # one graph in memory at a time
+        path = folder / rel
+        save_program(program, path)
+        del program
     if source is not None:
         _copy_side_files(source, folder)
-    if (folder / "config.json").is_file():
-        _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
+    exporter.finish(folder)
     return path
+
+
+def exporter_for(folder: Path):
+    """The module that exports `folder`'s model: this one (decoder-only), `onnx_seq2seq` (encoder-decoder) or
+    `onnx_encoder` (BERT-style encoders)."""
+    import sys
+
+    from ..loading import read_config
+    from . import onnx_encoder, onnx_seq2seq
+
+    config = read_config(folder)
+    if onnx_seq2seq.is_seq2seq(config):
+        return onnx_seq2seq
+    if onnx_encoder.is_encoder(config):
+        return onnx_encoder
+    return sys.modules[__name__]
+
+
+def check_folder_exportable(folder: str | Path) -> None:
+    """Refuse, before `convert --to onnx` spends its time converting, a local model the export does not cover."""
+    from ..loading import read_config
+
+    folder = Path(folder).expanduser()
+    if (folder / "config.json").is_file():
+        exporter_for(folder).check_exportable(read_config(folder))
 
 
 def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False) -> OnnxExportReport:
@@ -302,33 +513,37 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     from ..checkpoint import atomic_folder, check_out_dir
 
     folder = check_source(source)
-    out = check_out_dir(out, overwrite)
+    out = check_out_dir(out, overwrite, inputs=[folder])
     require_onnx()
     warning = not_converted_warning(folder)
     if warning and scan:
         warning += "; " + scan_summary(folder)
     if warning:
         log.warning(warning)  # before the slow part
-    model = load_fp16(folder)
-    with atomic_folder(out) as tmp:
-        write_onnx(model, tmp, source=folder)
-    return report_for(out / ONNX_FILE, model.config.model_type, converted=warning is None, warning=warning)
+    exporter = exporter_for(folder)
+    model = exporter.load_fp16(folder)
+    with atomic_folder(out, replace=overwrite) as tmp:
+        path = out / write_onnx(model, tmp, source=folder, exporter=exporter).relative_to(tmp)
+    return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
 
 
 def add_onnx(folder: str | Path) -> OnnxExportReport:
-    """`halfsafe convert --to onnx`: add `onnx/model_fp16.onnx` to a converted checkpoint folder, beside its weights
-    (the layout of a model repository that serves both transformers and transformers.js)."""
+    """`halfsafe convert --to onnx`: add the ONNX files (`onnx/model_fp16.onnx`, or T5's encoder and decoder) to a
+    converted checkpoint folder, beside its weights (the layout of a model repository that serves both transformers
+    and transformers.js)."""
     from ..checkpoint import atomic_folder
 
     folder = check_source(folder)
     require_onnx()
-    model = load_fp16(folder)
-    program = export_program(model)
+    exporter = exporter_for(folder)
+    model = exporter.load_fp16(folder)
     onnx_dir = folder / Path(ONNX_FILE).parent
-    with atomic_folder(onnx_dir) as tmp:
-        save_program(program, tmp / Path(ONNX_FILE).name)
-    path = folder / ONNX_FILE
-    _mark_config(folder, path.with_name(path.name + EXTERNAL_DATA_SUFFIX).exists())
+    with atomic_folder(onnx_dir, replace=True) as tmp:
+        for rel, program in exporter.programs(model):
+            path = folder / rel
+            save_program(program, tmp / Path(rel).name)
+            del program
+    exporter.finish(folder)
     warning = not_converted_warning(folder)
     return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
 

@@ -439,11 +439,11 @@ def finetune_checkpoint(
     from ..checkpoint import check_out_dir, save_fp16_checkpoint
     from ..convert import make_fp16_safe
     from ..families import family_for
-    from ..loading import load_model
+    from ..loading import input_paths, load_model
 
     config = config or FinetuneConfig()
     config.check()
-    check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite, inputs=input_paths(source))
     if restart and resume_from:
         raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
     state_file = Path(resume_from) if resume_from else partial_dir(out) / STATE_NAME

@@ -1,0 +1,84 @@
+"""Serve the page, transformers.js (clients/js/node_modules) and one exported model folder from localhost.
+
+    python examples/web/serve.py OUT-onnx [--port 8000]      then open http://localhost:8000/
+
+URL paths: `/` this folder (index.html, app.js), `/node_modules/` clients/js/node_modules (`npm ci
+--ignore-scripts` there first), `/models/model/` the model folder. Nothing is fetched from elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import http.server
+import sys
+import threading
+import urllib.parse
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NODE_MODULES = HERE.parent.parent / "clients" / "js" / "node_modules"
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    roots: dict[str, Path] = {}
+
+    def translate_path(self, path: str) -> str:
+        path = urllib.parse.unquote(path.split("?", 1)[0].split("#", 1)[0])
+        for prefix, root in self.roots.items():
+            if path.startswith(prefix):
+                rest = Path(path[len(prefix):].lstrip("/"))
+                target = (root / rest).resolve()
+                if target != root and root not in target.parents:  # no ../ out of the served folders
+                    return str(root / "__forbidden__")
+                return str(target)
+        return str(HERE / "__missing__")
+
+    def end_headers(self) -> None:
+        self.send_header("Cache-Control", "no-store")
+        super().end_headers()
+
+    def log_message(self, format, *args) -> None:  # quiet: a test reads the page, not the log
+        pass
+
+
+_Handler.extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map, ".mjs": "text/javascript",
+                           ".js": "text/javascript", ".wasm": "application/wasm", ".json": "application/json"}
+
+
+def make_server(model: Path, port: int = 0, name: str = "model") -> http.server.ThreadingHTTPServer:
+    """A server (not started) for the page, node_modules and `model` as /models/`name`/; port 0 picks a free one."""
+    roots = {"/node_modules/": NODE_MODULES, f"/models/{name}/": Path(model).resolve(), "/": HERE}
+    handler = type("Handler", (_Handler,), {"roots": roots})
+    return http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=str(HERE)))
+
+
+def serve_in_thread(model: Path, name: str = "model") -> tuple[http.server.ThreadingHTTPServer, str]:
+    server = make_server(model, name=name)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="a folder written by `halfsafe export onnx`")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args()
+    model = Path(args.model)
+    if not (model / "config.json").is_file() or not (model / "onnx").is_dir():
+        print(f"{model} is not an exported ONNX folder (config.json + onnx/): give the folder `halfsafe export onnx` wrote", file=sys.stderr)
+        return 2
+    if not NODE_MODULES.is_dir():
+        print(f"{NODE_MODULES} is missing: run `npm ci --ignore-scripts` in {NODE_MODULES.parent}", file=sys.stderr)
+        return 2
+    server = make_server(model, args.port)
+    print(f"serving on http://localhost:{server.server_address[1]}/ (Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

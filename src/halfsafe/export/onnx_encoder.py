@@ -1,0 +1,127 @@
+"""fp16 ONNX of a BERT-style encoder (BERT, RoBERTa) in the transformers.js layout: `onnx/model_fp16.onnx`.
+
+One graph, exported by transformers' OnnxExporter from the model loaded all-fp16, as `export/onnx.py` does for
+decoders. Inputs as transformers.js's encoder forward feeds them: `input_ids`, `attention_mask`, and
+`token_type_ids` where the model has token types (RoBERTa's single type has none, as in the onnx-community
+exports; transformers.js fills zeros for a graph that declares it). Output by the model class: the bare model's
+`last_hidden_state` (the feature-extraction pipeline reads it; the pooler output is left out, as optimum leaves
+it out), a masked-LM head's `logits` (fill-mask), each cast to float32 at the end (Node has no Float16Array).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import HalfsafeError, UnsupportedModelError
+from . import onnx as base
+
+FAMILIES = ("bert", "roberta")
+# model class -> (its output the graph gives, the transformers.js pipeline that reads it)
+CLASSES = {
+    "BertModel": ("last_hidden_state", "feature-extraction"),
+    "RobertaModel": ("last_hidden_state", "feature-extraction"),
+    "BertForMaskedLM": ("logits", "fill-mask"),
+    "RobertaForMaskedLM": ("logits", "fill-mask"),
+}
+_DIMS = ("batch_size", "sequence_length")
+
+
+def is_encoder(config) -> bool:
+    return getattr(config, "model_type", None) in FAMILIES and not getattr(config, "is_encoder_decoder", False)
+
+
+def _class_name(config) -> str:
+    from ..loading import model_class_for
+
+    return model_class_for(config).__name__
+
+
+def check_exportable(config) -> None:
+    name = _class_name(config)
+    if name not in CLASSES:
+        raise UnsupportedModelError(
+            f"{config.model_type} ({name}) is not exported: the ONNX export ({base.EXPORTER}) of encoders covers "
+            f"{', '.join(CLASSES)} (set `architectures` in config.json to one of them)"
+        )
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise UnsupportedModelError(f"{config.model_type} configured as a decoder (is_decoder / add_cross_attention) "
+                                    f"is not exported: the encoder export takes a plain encoder")
+
+
+def load_fp16(folder: Path):
+    from ..loading import model_class_for, quiet_transformers, read_config
+    from ..runtime import load_pure_fp16
+
+    config = read_config(folder)
+    check_exportable(config)
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
+    with quiet_transformers():
+        model = load_pure_fp16(model_class_for(config), folder, local_files_only=True)
+    return model.eval()
+
+
+def _has_token_types(config) -> bool:
+    return getattr(config, "type_vocab_size", 0) > 1
+
+
+def output_of(config) -> str:
+    return CLASSES[_class_name(config)][0]
+
+
+def task_of(config) -> str:
+    return CLASSES[_class_name(config)][1]
+
+
+def export_program(model, batch: int = 2, length: int = 7):
+    """The encoder graph: input_ids, attention_mask[, token_type_ids] -> float32 last_hidden_state or logits."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+    from torch.export import Dim
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    from ..loading import _first_line, quiet_transformers
+
+    base.require_onnx()
+    config = model.config
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, length), generator=g)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones(batch, length, dtype=torch.long)}
+    if _has_token_types(config):
+        inputs["token_type_ids"] = torch.randint(0, config.type_vocab_size, (batch, length), generator=g)
+    auto = {0: Dim.AUTO, 1: Dim.AUTO}
+    options = OnnxConfig(dynamic_shapes={k: auto for k in inputs}, prefer_deferred_runtime_asserts_over_guards=True)
+    try:
+        with quiet_transformers(), torch.no_grad():
+            program = OnnxExporter().export(model, inputs, options).program
+    except HalfsafeError:
+        raise
+    except Exception as e:  # the exporter fails in many ways on an architecture it cannot trace
+        raise UnsupportedModelError(
+            f"{base.EXPORTER} could not export {config.model_type} ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+    graph = program.graph
+    want = output_of(config)
+    for i in reversed(range(len(graph.outputs))):  # BertModel's pooler_output: not what transformers.js reads
+        if graph.outputs[i].name != want:
+            graph.outputs.pop(i)
+    RemoveUnusedNodesPass()(program)
+    names = [v.name for v in graph.inputs], [v.name for v in graph.outputs]
+    if names != (list(inputs), [want]):
+        raise HalfsafeError(f"unexpected encoder inputs/outputs from {base.EXPORTER}: {names} (please report this)")
+    base._name_dims(graph, {**{k: _DIMS for k in inputs}, want: (*_DIMS, None)})
+    base._float32_logits(graph, want)
+    return program
+
+
+def programs(model):
+    yield base.ONNX_FILE, export_program(model)
+
+
+def finish(folder: Path) -> None:
+    from ..loading import read_config
+
+    config = read_config(folder)
+    base._mark_config(folder, (folder / (base.ONNX_FILE + base.EXTERNAL_DATA_SUFFIX)).exists(), kv_cache=False)
+    base.write_card(folder, [base.ONNX_FILE], task=task_of(config))

@@ -1,0 +1,84 @@
+"""The trust boundary of a model folder, written once.
+
+halfsafe reads a model folder as data: every file the checkpoint names (index entries, shards, tokenizer and
+config files) must resolve, symlinks followed, to a place inside the folder, and no Python the folder ships is
+ever run. Every transformers load goes through `from_pretrained` here, which passes `trust_remote_code=False`;
+a folder whose config files ask for their own code (`auto_map`) is refused before transformers sees it, so
+transformers never prompts and never prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import HalfsafeError
+
+REMOTE_CODE_KEY = "auto_map"  # what transformers reads to import a folder's own classes
+
+
+def model_root(folder: Path) -> Path:
+    """The folder whose inside is trusted: the folder itself, or for a snapshot in the Hugging Face cache
+    (models--org--name/snapshots/REV, whose files link into models--org--name/blobs) the repository's folder."""
+    folder = Path(folder).resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent
+    return folder
+
+
+def inside(folder: Path, name: str | os.PathLike) -> Path:
+    """`folder / name` with every symlink resolved, refused unless it stays inside the folder (see `model_root`).
+    The one resolver of every file a checkpoint names."""
+    root = model_root(folder)
+    path = (Path(folder) / name).resolve()
+    if path != root and not path.is_relative_to(root):
+        raise HalfsafeError(f"{folder} names {name}, which is {path}, outside the model folder: halfsafe reads only "
+                            "files inside MODEL; copy that file into the folder or fix the checkpoint")
+    return path
+
+
+def check_folder(folder: Path) -> None:
+    """Refuse, before any transformers call, a folder with a file that resolves outside it or a config file that
+    asks for the folder's own code."""
+    folder = Path(folder)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            entry = Path(dirpath) / name
+            if entry.is_symlink():
+                inside(folder, entry.relative_to(folder))
+    for config in sorted(folder.glob("*config.json")):
+        wants = _remote_code(config)
+        if wants:
+            raise HalfsafeError(f"{config} has {REMOTE_CODE_KEY} ({wants}): this model needs its own Python code, and "
+                                "halfsafe never runs code from a model folder; use a model whose architecture transformers ships")
+
+
+def _remote_code(config: Path) -> str | None:
+    """What the file's `auto_map` (at any depth) names, or None."""
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None  # an unreadable config is the loader's error to report
+    todo = [data]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if REMOTE_CODE_KEY in node:
+                value = node[REMOTE_CODE_KEY]
+                return ", ".join(f"{v}" for v in (value.values() if isinstance(value, dict) else [value]))[:120] or "empty"
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return None
+
+
+def from_pretrained(cls, path, **kwargs):
+    """`cls.from_pretrained(path, **kwargs)` that never runs the folder's code: every transformers load halfsafe
+    makes (config, tokenizer, model) comes through here. GenerationConfig reads one JSON file and has no code to
+    run (it would store the flag as a generation setting)."""
+    from transformers import GenerationConfig
+
+    if not (isinstance(cls, type) and issubclass(cls, GenerationConfig)):
+        kwargs["trust_remote_code"] = False
+    return cls.from_pretrained(path, **kwargs)
