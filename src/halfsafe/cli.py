@@ -260,8 +260,11 @@ def cmd_verify(args) -> int:
 def cmd_export(args) -> int:
     from .export.onnx import export_onnx
 
-    report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan)  # warns if not converted
+    report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan, runtime=args.runtime)  # warns if not converted
     console.print(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
+    if report.norm_prescales:
+        shifts = [p["shift"] for p in report.norm_prescales.values()]
+        console.print(f"--runtime {report.runtime}: {len(shifts)} norms prescaled by 2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm")
     _write_json(args.json, report.to_dict())
     return 0
 
@@ -305,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
+    _runtime_option(p, "compute the norms (prescaled inside each norm) to run")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("apply", help="re-apply a saved plan to another checkpoint of the same architecture (e.g. a fine-tune)")

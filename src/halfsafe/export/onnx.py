@@ -52,6 +52,8 @@ class OnnxExportReport:
     external_data: bool
     exporter: str = EXPORTER
     versions: dict[str, str] = field(default_factory=dict)
+    runtime: str = "torch"
+    norm_prescales: dict[str, dict] = field(default_factory=dict)  # --runtime P: per norm, its peak and c = 2^-shift
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -508,10 +510,14 @@ def check_folder_exportable(folder: str | Path) -> None:
         exporter_for(folder).check_exportable(read_config(folder))
 
 
-def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False) -> OnnxExportReport:
-    """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder."""
+def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False,
+                runtime: str | None = None) -> OnnxExportReport:
+    """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder.
+    `runtime`: a profile that computes norm statistics in float16 gets its norms prescaled (halfsafe.export.onnx_norms)."""
     from ..checkpoint import atomic_folder, check_out_dir
+    from ..runtimes import get_profile
 
+    profile = get_profile(runtime)
     folder = check_source(source)
     out = check_out_dir(out, overwrite, inputs=[folder])
     require_onnx()
@@ -522,9 +528,17 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
         log.warning(warning)  # before the slow part
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
+    prescales = {}
+    if profile.norm_stats_fp16:
+        from .onnx_norms import calibration_ids, prescale_norms_
+
+        ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
+        prescales = {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
     with atomic_folder(out, replace=overwrite) as tmp:
         path = out / write_onnx(model, tmp, source=folder, exporter=exporter).relative_to(tmp)
-    return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
+    report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
+    report.runtime, report.norm_prescales = profile.name, prescales
+    return report
 
 
 def add_onnx(folder: str | Path) -> OnnxExportReport:
