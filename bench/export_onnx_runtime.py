@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""Gemma 3 270M through `halfsafe export onnx --runtime all-fp16`, run with every op in float16.
+
+1. `convert_checkpoint("gemma3-270m", OUT/converted)` at default settings (reused when OUT holds one).
+2. `export_onnx(converted, OUT/plain)` (today's export) and `export_onnx(converted, OUT/all-fp16, runtime="all-fp16")`
+   (each norm prescaled by its 2^-k inside the graph).
+3. Both graphs through `fp16_statistics` (the graph's own float32 casts and constants made float16: norm statistics,
+   softmax, rotary in float16) and onnx's reference evaluator (float16 ops computed in float16 by numpy), on the
+   first SEQ tokens of the embedded held-out text; KL(fp32 transformers || graph) per token and top-1 agreement,
+   beside PyTorch bf16 on the same tokens.
+Writes bench/results/export_onnx_runtime.{json,md}. Command: `python bench/export_onnx_runtime.py [--seq 32]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import torch  # noqa: E402
+
+from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
+from halfsafe.convert import convert_checkpoint  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, export_onnx  # noqa: E402
+from halfsafe.export.onnx_norms import fp16_statistics  # noqa: E402
+from halfsafe.fixtures import cache_dir, gemma3_270m_folder  # noqa: E402
+from halfsafe.metrics import kl_per_token  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def measure(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    finite = bool(torch.isfinite(got).all())
+    out = {"finite": finite, "nonfinite_rows": int((~torch.isfinite(got).all(-1)).sum())}
+    if finite:
+        out["kl"] = float(kl_per_token(ref, got).mean())
+        out["top1"] = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+        out["uniform_rows"] = int((got.std(-1) < 1e-3).sum())
+    return out
+
+
+def cell(m: dict) -> str:
+    if not m["finite"]:
+        return f"NaN ({m['nonfinite_rows']} rows)"
+    return f"{m['kl']:.2e} ({100 * m['top1']:.0f}%)" + (f", {m['uniform_rows']} uniform rows" if m["uniform_rows"] else "")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(cache_dir() / "bench-export-onnx-runtime"))
+    ap.add_argument("--seq", type=int, default=32)
+    args = ap.parse_args()
+    out = Path(args.out)
+    source = gemma3_270m_folder()
+    converted = out / "converted"
+    if not (converted / "halfsafe.json").is_file():
+        log("convert (default settings)")
+        convert_checkpoint(str(source), str(converted), progress=False, overwrite=True)
+    reports = {}
+    for name, runtime in (("plain", None), ("all-fp16", "all-fp16")):
+        log(f"export {name}")
+        reports[name] = export_onnx(converted, out / name, overwrite=True, runtime=runtime)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(source))
+    ids = make_samples([heldout_text()], tok, tok.vocab_size, args.seq, 1)[0]
+    model = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        bf16 = model.to(torch.bfloat16)(ids).logits.float()
+    rows = {"bf16 (PyTorch)": measure(ref, bf16)}
+    for name in reports:
+        log(f"reference evaluator, {name}, fp16 statistics, {ids.shape[1]} tokens")
+        proto = fp16_statistics(onnx.load(str(out / name / ONNX_FILE)))
+        got = OnnxDecoder(proto, backend="reference").logits(ids.numpy()).astype(np.float32)
+        rows[f"{name} ONNX, all ops fp16"] = measure(ref, torch.from_numpy(got))
+        log(f"  {rows[f'{name} ONNX, all ops fp16']}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    shifts = [p["shift"] for p in reports["all-fp16"].norm_prescales.values()]
+    data = {"commit": commit, "tokens": int(ids.shape[1]), "rows": rows, "prescales": reports["all-fp16"].norm_prescales,
+            "seconds": time.perf_counter() - T0}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "export_onnx_runtime.json").write_text(json.dumps(data, indent=1) + "\n")
+    lines = [f"Gemma 3 270M (converted at default settings) exported to ONNX, every op in float16 (fp16_statistics + "
+             f"onnx's reference evaluator), {ids.shape[1]} tokens of the held-out text; KL(fp32 || variant) per token "
+             f"(top-1). Command: `python bench/export_onnx_runtime.py --seq {args.seq}` at commit {commit}. "
+             f"{len(shifts)} norms prescaled, shifts {min(shifts)} .. {max(shifts)}.", "", "| variant | KL (top-1) |", "|---|---:|"]
+    lines += [f"| {k} | {cell(v)} |" for k, v in rows.items()]
+    (RESULTS / "export_onnx_runtime.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
