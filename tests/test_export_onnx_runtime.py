@@ -107,3 +107,20 @@ def test_cli_unknown_runtime_exit_2(exported, tmp_path, capsys):
     root, *_ = exported
     assert main(["export", "onnx", str(root / "converted"), str(tmp_path / "x"), "--runtime", "webgpu"]) == 2
     assert "invalid choice: 'webgpu'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_layernorm_family_prescaled_under_the_layernorm_profile(tmp_path):
+    """GPT-NeoX (nn.LayerNorm), stressed and converted: under `layernorm-decomposed` each LayerNorm gets its c, and the
+    graph with every op in float16 stays finite and close to fp32."""
+    model = make_tiny("gpt_neox")
+    calib = make_samples([default_text()], None, model.config.vocab_size, 32, 2)
+    make_stress(model, lambda: [logits(model, ids) for ids in calib])
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "original")
+    convert_checkpoint(str(tmp_path / "original"), str(tmp_path / "converted"), seq_len=32, max_samples=2, progress=False)
+    report = export_onnx(tmp_path / "converted", tmp_path / "onnx", runtime="layernorm-decomposed")
+    norms = {n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
+    assert report.norm_prescales and set(report.norm_prescales) <= norms
+    assert any(p["shift"] > 0 for p in report.norm_prescales.values())
+    got = torch.from_numpy(_fp16_run(tmp_path / "onnx", calib[1]))
+    assert torch.isfinite(got).all()
+    assert mean_kl(logits(model.float().eval(), calib[1]).float(), got) < 1e-3

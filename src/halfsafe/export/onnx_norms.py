@@ -120,15 +120,12 @@ def prescale_norms_(model: nn.Module, profile: RuntimeProfile, samples: list[tor
 
 def calibration_ids(folder, vocab_size: int, seq_len: int = 64, max_samples: int = 2) -> list[torch.Tensor]:
     """The embedded text, with the folder's tokenizer when it has one."""
+    from pathlib import Path
+
     from ..calibration import make_samples, read_texts
+    from ..loading import _load_tokenizer
 
-    tokenizer = None
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception:  # no tokenizer beside the weights: the text's bytes as ids (as the tests' tiny models)
-        tokenizer = None
+    tokenizer = _load_tokenizer(Path(folder))  # None without tokenizer files: the text's bytes as ids
     return make_samples(read_texts(None), tokenizer, vocab_size, seq_len, max_samples)
 
 
