@@ -79,6 +79,23 @@ def test_prescaled_norms_stay_finite_where_plain_ones_break(exported):
     assert any(p["shift"] > 0 for p in residual), profiled["norm_prescales"]  # the residual stream's norms
 
 
+def test_gemma_gain_is_stored_as_one_plus_w(exported):
+    """The Mul after each norm's inverse root and x c takes one stored gain, (1 + w) of the checkpoint's w."""
+    from safetensors.torch import load_file
+
+    root, *_ = exported
+    proto = onnx.load(str(root / "all-fp16" / ONNX_FILE))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    consumers = {i: n for n in proto.graph.node for i in n.input}
+    w = load_file(str(root / "converted" / "model.safetensors"))["model.layers.0.input_layernorm.weight"].float().numpy()
+    root_node = next(n for n in proto.graph.node if n.op_type in ("Reciprocal", "Rsqrt"))  # the first norm's
+    scaled = consumers[root_node.output[0]]  # (x c) * rsqrt(...)
+    gain = consumers[scaled.output[0]]
+    stored = [inits[i] for i in gain.input if i in inits]
+    assert gain.op_type == "Mul" and len(stored) == 1
+    assert np.array_equal(stored[0].astype(np.float32), 1 + w)
+
+
 def test_torch_runtime_is_todays_export(exported):
     root, *_, plain, _ = exported
     assert (root / "torch" / ONNX_FILE).read_bytes() == (root / "plain" / ONNX_FILE).read_bytes()
