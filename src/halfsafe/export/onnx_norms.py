@@ -6,8 +6,10 @@ LayerNorm. With c = 2^-k the product x c is exact in float16 and eps c^2 is exac
 the same function, but the squares, their sum and mean see x c instead of the residual stream's x: a sum of squares
 that passes 65504 in float16 (and zeroes the row through rsqrt(inf) = 0) stays in range, while the residual stream
 keeps every bit it had. k is chosen per norm from the largest |input| measured on the embedded text, so that
-width x (peak c)^2 stays SUM_LIMIT under 65504; a norm whose inputs are small gets c > 1, so its mean of squares
-does not sink into float16's subnormals.
+width x (peak c)^2 stays under SUM_LIMIT (4 bits under 65504); a norm whose inputs are small gets c > 1, so its mean
+of squares does not sink into float16's subnormals. Where c is small, eps c^2 can fall below float16's smallest
+subnormal and round to 0 in an all-float16 graph: that changes a row only if its mean of squares is 0 as well
+(eps / mean(x^2) does not depend on c).
 
 The rewrite is made on the module before export (each norm's forward multiplies its input by c and uses eps c^2),
 so the exporter writes the Mul by c into the norm's own subgraph, whatever ops the modeling code decomposes it into.
