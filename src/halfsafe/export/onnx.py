@@ -144,19 +144,26 @@ def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def load_fp16(folder: Path):
-    """The checkpoint in `folder` as an all-fp16 causal LM (no module kept in fp32), eval mode."""
-    from ..loading import quiet_transformers, read_config
+def load_exportable_fp16(folder: Path, check, model_class=None):
+    """The checkpoint in `folder`, all-fp16 (no module kept in fp32), eval mode, once `check(config)` accepts it:
+    the one loader of the three exports. `model_class` None: the class the config names."""
+    from ..loading import model_class_for, quiet_transformers, read_config
     from ..runtime import load_pure_fp16
-    from transformers import AutoModelForCausalLM
 
     config = read_config(folder)
-    check_exportable(config)
+    check(config)
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
     with quiet_transformers():
-        model = load_pure_fp16(AutoModelForCausalLM, folder, local_files_only=True)
+        model = load_pure_fp16(model_class or model_class_for(config), folder, local_files_only=True)
     return model.eval()
+
+
+def load_fp16(folder: Path):
+    """The checkpoint in `folder` as an all-fp16 causal LM (no module kept in fp32), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return load_exportable_fp16(folder, check_exportable, AutoModelForCausalLM)
 
 
 def _kv_shape(config) -> tuple[int, int, int]:

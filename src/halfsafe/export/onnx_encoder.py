@@ -51,16 +51,7 @@ def check_exportable(config) -> None:
 
 
 def load_fp16(folder: Path):
-    from ..loading import model_class_for, quiet_transformers, read_config
-    from ..runtime import load_pure_fp16
-
-    config = read_config(folder)
-    check_exportable(config)
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
-    with quiet_transformers():
-        model = load_pure_fp16(model_class_for(config), folder, local_files_only=True)
-    return model.eval()
+    return base.load_exportable_fp16(folder, check_exportable)
 
 
 def _has_token_types(config) -> bool:

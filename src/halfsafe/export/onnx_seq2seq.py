@@ -74,16 +74,7 @@ def check_exportable(config) -> None:
 def load_fp16(folder: Path):
     from transformers import AutoModelForSeq2SeqLM
 
-    from ..loading import quiet_transformers, read_config
-    from ..runtime import load_pure_fp16
-
-    config = read_config(folder)
-    check_exportable(config)
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
-        raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
-    with quiet_transformers():
-        model = load_pure_fp16(AutoModelForSeq2SeqLM, folder, local_files_only=True)
-    return model.eval()
+    return base.load_exportable_fp16(folder, check_exportable, AutoModelForSeq2SeqLM)
 
 
 def _kv(config) -> tuple[int, int, int]:
