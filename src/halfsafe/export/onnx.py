@@ -270,25 +270,30 @@ def _float32_logits(graph, name: str = "logits") -> None:
     graph.outputs[index] = out
 
 
-def export_program(model):
-    """The fp16 ONNX graph (an `onnx_ir.Model`) of a causal LM, with a KV cache and transformers.js I/O names."""
-    require_onnx()
+def run_exporter(module, inputs: dict, shapes: dict, what: str, context=None):
+    """transformers' OnnxExporter on `module` (inside `context`, if given): its `onnx_ir` program, or a one-line
+    UnsupportedModelError naming `what` failed to export. The one call of the exporter for every export."""
+    from contextlib import nullcontext
+
     from transformers.exporters import OnnxConfig, OnnxExporter
 
     from ..loading import _first_line, quiet_transformers
 
-    inputs, shapes = sample_inputs(model)
     config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
     try:
-        with quiet_transformers(), torch.no_grad():
-            exported = OnnxExporter().export(model, inputs, config)
+        with quiet_transformers(), torch.no_grad(), context or nullcontext():
+            return OnnxExporter().export(module, inputs, config).program
     except HalfsafeError:
         raise
     except Exception as e:  # the exporter fails in many ways on an architecture it cannot trace
-        raise UnsupportedModelError(
-            f"{EXPORTER} could not export {model.config.model_type} ({type(e).__name__}: {_first_line(e)})"
-        ) from None
-    program = exported.program
+        raise UnsupportedModelError(f"{EXPORTER} could not export {what} ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def export_program(model):
+    """The fp16 ONNX graph (an `onnx_ir.Model`) of a causal LM, with a KV cache and transformers.js I/O names."""
+    require_onnx()
+    inputs, shapes = sample_inputs(model)
+    program = run_exporter(model, inputs, shapes, model.config.model_type)
     _rename_io(program.graph)
     _name_dims(program.graph)
     _float32_logits(program.graph)

@@ -70,10 +70,6 @@ def export_program(model, batch: int = 2, length: int = 7):
     """The encoder graph: input_ids, attention_mask[, token_type_ids] -> float32 last_hidden_state or logits."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass
     from torch.export import Dim
-    from transformers.exporters import OnnxConfig, OnnxExporter
-
-    from ..loading import _first_line, quiet_transformers
-
     base.require_onnx()
     config = model.config
     g = torch.Generator().manual_seed(0)
@@ -82,16 +78,7 @@ def export_program(model, batch: int = 2, length: int = 7):
     if _has_token_types(config):
         inputs["token_type_ids"] = torch.randint(0, config.type_vocab_size, (batch, length), generator=g)
     auto = {0: Dim.AUTO, 1: Dim.AUTO}
-    options = OnnxConfig(dynamic_shapes={k: auto for k in inputs}, prefer_deferred_runtime_asserts_over_guards=True)
-    try:
-        with quiet_transformers(), torch.no_grad():
-            program = OnnxExporter().export(model, inputs, options).program
-    except HalfsafeError:
-        raise
-    except Exception as e:  # the exporter fails in many ways on an architecture it cannot trace
-        raise UnsupportedModelError(
-            f"{base.EXPORTER} could not export {config.model_type} ({type(e).__name__}: {_first_line(e)})"
-        ) from None
+    program = base.run_exporter(model, inputs, {k: auto for k in inputs}, config.model_type)
     graph = program.graph
     want = output_of(config)
     for i in reversed(range(len(graph.outputs))):  # BertModel's pooler_output: not what transformers.js reads

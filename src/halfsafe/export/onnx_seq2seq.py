@@ -112,20 +112,7 @@ def _finite_activations(module):
 
 
 def _export(module, inputs: dict, shapes: dict, name: str):
-    from transformers.exporters import OnnxConfig, OnnxExporter
-
-    from ..loading import _first_line, quiet_transformers
-
-    config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
-    try:
-        with quiet_transformers(), torch.no_grad(), _finite_activations(module):
-            return OnnxExporter().export(module, inputs, config).program
-    except HalfsafeError:
-        raise
-    except Exception as e:
-        raise UnsupportedModelError(
-            f"{base.EXPORTER} could not export the {name} of {module.config.model_type} ({type(e).__name__}: {_first_line(e)})"
-        ) from None
+    return base.run_exporter(module, inputs, shapes, f"the {name} of {module.config.model_type}", _finite_activations(module))
 
 
 def encoder_program(model, batch: int = 2, length: int = 5):
