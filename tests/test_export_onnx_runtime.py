@@ -2,7 +2,8 @@
 
 A tiny Gemma 3 blown past fp16's range (tests/stress.py), converted at default settings (the torch profile's
 checkpoint), exported plainly and with `--runtime all-fp16`. Both graphs are run by onnx's reference evaluator
-(float16 ops in float16) after `fp16_statistics` made the graph's own float32 casts float16: the plain graph's sums
+under the all-fp16 profile's arithmetic (float16 ops in float16, matmul sums in float16 runs of 32, float16
+reductions and softmax: export.onnx_profile_ops) after `fp16_statistics` made the graph's own float32 casts float16: the plain graph's sums
 of squares overflow and zero or NaN its rows; the prescaled one stays finite and close to fp32 transformers.
 """
 
@@ -49,7 +50,7 @@ def exported(tmp_path_factory):
 
 def _fp16_run(folder, ids) -> np.ndarray:
     proto = fp16_statistics(onnx.load(str(folder / ONNX_FILE)))
-    return OnnxDecoder(proto, backend="reference").logits(ids.numpy()).astype(np.float32)
+    return OnnxDecoder(proto, backend="reference", profile="all-fp16").logits(ids.numpy()).astype(np.float32)
 
 
 def test_fp16_statistics_makes_the_norms_float16(exported):

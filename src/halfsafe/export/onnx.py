@@ -587,9 +587,10 @@ def report_for(path: Path, model_type: str, converted: bool, warning: str | None
 
 
 class OnnxDecoder:
-    """A decoder graph with the I/O `export_program` writes. backend: "ort" (ONNX Runtime, CPU) or "reference"."""
+    """A decoder graph with the I/O `export_program` writes. backend: "ort" (ONNX Runtime, CPU) or "reference"
+    (with `profile`, a runtime profile's float16 arithmetic: halfsafe.export.onnx_profile_ops)."""
 
-    def __init__(self, model, backend: str = "ort") -> None:
+    def __init__(self, model, backend: str = "ort", profile: str | None = None) -> None:
         import onnx
 
         self.backend = backend
@@ -609,9 +610,9 @@ class OnnxDecoder:
             data = proto.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
             self._session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
         elif backend == "reference":
-            from onnx.reference import ReferenceEvaluator
+            from .onnx_profile_ops import profile_evaluator
 
-            self._session = ReferenceEvaluator(proto)
+            self._session = profile_evaluator(proto, profile)
         else:
             raise ValueError(f"backend must be 'ort' or 'reference', not {backend!r}")
 
