@@ -5,9 +5,11 @@
 2. `export_onnx(converted, OUT/plain)` (today's export) and `export_onnx(converted, OUT/all-fp16, runtime="all-fp16")`
    (each norm prescaled by its 2^-k inside the graph).
 3. Both graphs through `fp16_statistics` (the graph's own float32 casts and constants made float16: norm statistics,
-   softmax, rotary in float16) and onnx's reference evaluator (float16 ops computed in float16 by numpy), on the
-   first SEQ tokens of the embedded held-out text; KL(fp32 transformers || graph) per token and top-1 agreement,
-   beside PyTorch bf16 on the same tokens.
+   softmax, rotary in float16) and onnx's reference evaluator, twice: with numpy's float16 ops (whose matmul sums
+   in float32) and under the all-fp16 profile's arithmetic (export.onnx_profile_ops: linears and attention
+   accumulate in float16 runs of 32, float16 reductions and softmax), on the first SEQ tokens of the embedded
+   held-out text; KL(fp32 transformers || graph) per token and top-1 agreement, beside PyTorch bf16 on the same
+   tokens.
 Writes bench/results/export_onnx_runtime.{json,md}. Command: `python bench/export_onnx_runtime.py [--seq 32]`.
 """
 
@@ -82,11 +84,12 @@ def main() -> None:
         bf16 = model.to(torch.bfloat16)(ids).logits.float()
     rows = {"bf16 (PyTorch)": measure(ref, bf16)}
     for name in reports:
-        log(f"reference evaluator, {name}, fp16 statistics, {ids.shape[1]} tokens")
         proto = fp16_statistics(onnx.load(str(out / name / ONNX_FILE)))
-        got = OnnxDecoder(proto, backend="reference").logits(ids.numpy()).astype(np.float32)
-        rows[f"{name} ONNX, all ops fp16"] = measure(ref, torch.from_numpy(got))
-        log(f"  {rows[f'{name} ONNX, all ops fp16']}")
+        for label, profile in (("all ops fp16, matmul sums fp32", None), ("all ops fp16, matmul sums fp16 (all-fp16)", "all-fp16")):
+            log(f"reference evaluator, {name}, {label}, {ids.shape[1]} tokens")
+            got = OnnxDecoder(proto, backend="reference", profile=profile).logits(ids.numpy()).astype(np.float32)
+            rows[f"{name} ONNX, {label}"] = measure(ref, torch.from_numpy(got))
+            log(f"  {rows[f'{name} ONNX, {label}']}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     shifts = [p["shift"] for p in reports["all-fp16"].norm_prescales.values()]
     data = {"commit": commit, "tokens": int(ids.shape[1]), "rows": rows, "prescales": reports["all-fp16"].norm_prescales,
@@ -94,7 +97,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "export_onnx_runtime.json").write_text(json.dumps(data, indent=1) + "\n")
     lines = [f"Gemma 3 270M (converted at default settings) exported to ONNX, every op in float16 (fp16_statistics + "
-             f"onnx's reference evaluator), {ids.shape[1]} tokens of the held-out text; KL(fp32 || variant) per token "
+             f"onnx's reference evaluator; matmul sums in float32 as numpy's float16 matmul adds them, or in float16 runs "
+             f"of 32 as the all-fp16 profile says), {ids.shape[1]} tokens of the held-out text; KL(fp32 || variant) per token "
              f"(top-1). Command: `python bench/export_onnx_runtime.py --seq {args.seq}` at commit {commit}. "
              f"{len(shifts)} norms prescaled, shifts {min(shifts)} .. {max(shifts)}.", "", "| variant | KL (top-1) |", "|---|---:|"]
     lines += [f"| {k} | {cell(v)} |" for k, v in rows.items()]

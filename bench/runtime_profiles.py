@@ -8,7 +8,10 @@
    checkpoint under P. bf16 is PyTorch's bf16 (the runtimes these profiles describe have none).
 Cells: KL(fp32 || variant) per token, top-1 agreement; NaN: non-finite logits; "collapsed": finite logits whose rows
 became near-uniform or whose top-1 is one token nearly everywhere (halfsafe.verify.report.Metrics.collapsed).
-Writes bench/results/runtime_profiles.{json,md}. Command: `python bench/runtime_profiles.py [--profiles a,b]`.
+The profile-aware ONNX column comes from bench/results/export_onnx_runtime.json (`bench/export_onnx_runtime.py`, 32
+tokens: the reference evaluator is slow), when it is there.
+Writes bench/results/runtime_profiles.{json,md}. Command: `python bench/runtime_profiles.py [--profiles a,b]`;
+`--table` rewrites the md from the two json files without measuring.
 """
 
 from __future__ import annotations
@@ -65,7 +68,11 @@ def main() -> None:
     ap.add_argument("--profiles", default="torch,fp16-accumulate,fp16-norm-stats,all-fp16")
     ap.add_argument("--out", default=str(cache_dir() / "bench" / "gemma3-270m-fp16-default"))
     ap.add_argument("--keep", action="store_true", help="keep the rows of results/runtime_profiles.json not measured again")
+    ap.add_argument("--table", action="store_true", help="only rewrite the md from the json results")
     args = ap.parse_args()
+    if args.table:
+        write(json.loads((RESULTS / "runtime_profiles.json").read_text()))
+        return
     folder = gemma3_270m_folder()
     out = Path(args.out)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -116,6 +123,36 @@ def main() -> None:
         write(data)
 
 
+ONNX_ROWS = {  # profile -> the export_onnx_runtime.json row that runs the profile-aware graph under its arithmetic
+    "fp16-norm-stats": "all-fp16 ONNX, all ops fp16, matmul sums fp32",
+    "all-fp16": "all-fp16 ONNX, all ops fp16, matmul sums fp16 (all-fp16)",
+}
+
+
+def onnx_column() -> dict:
+    """Profile -> cell of `export onnx --runtime` measured by bench/export_onnx_runtime.py, plus a "note"."""
+    path = RESULTS / "export_onnx_runtime.json"
+    if not path.is_file():
+        return {}
+    onnx = json.loads(path.read_text())
+    rows, n = onnx["rows"], onnx["tokens"]
+
+    def fmt(m: dict) -> str:
+        if not m["finite"]:
+            return f"NaN ({m['nonfinite_rows']} rows)"
+        return f"{m['kl']:.2e} ({100 * m['top1']:.0f}%)" + (f", {m['uniform_rows']} rows uniform" if m.get("uniform_rows") else "")
+
+    bf16 = rows["bf16 (PyTorch)"]
+    out = {p: f"{fmt(rows[r])} on {n} tokens (bf16 on those: {fmt(bf16)})" for p, r in ONNX_ROWS.items() if r in rows}
+    plain = {p: rows[r.replace("all-fp16 ONNX", "plain ONNX")] for p, r in ONNX_ROWS.items() if r.replace("all-fp16 ONNX", "plain ONNX") in rows}
+    out["note"] = (f"Profile-aware ONNX: `halfsafe export onnx CONVERTED OUT --runtime all-fp16` (each norm prescaled "
+                   f"inside the graph), run by onnx's reference evaluator with every op in float16 and, for all-fp16, "
+                   f"matmul sums in float16 runs of 32 (halfsafe.export.onnx_profile_ops); `python "
+                   f"bench/export_onnx_runtime.py --seq {n}` at commit {onnx['commit']}. Today's export under the same "
+                   f"arithmetic: " + "; ".join(f"{p} {fmt(m)}" for p, m in plain.items()) + ".")
+    return out
+
+
 def write(data: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "runtime_profiles.json").write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
@@ -127,15 +164,18 @@ def write(data: dict) -> None:
         f"Command: `{data['command']}` at commit {data['commit']}"
         + (f" (rows kept from `{data['kept_rows_from']['command']}` at {data['kept_rows_from']['commit']})." if "kept_rows_from" in data else "."),
         "",
-        "| profile | original fp16 | today's conversion | profile-aware checkpoint | bf16 |",
-        "|---|---:|---:|---|---:|",
+        "| profile | original fp16 | today's conversion | profile-aware checkpoint | profile-aware ONNX | bf16 |",
+        "|---|---:|---:|---|---|---:|",
     ]
+    onnx_cells = onnx_column()
     for r in data["rows"]:
         aware = cell(r["aware"]) + (f" ({r['aware_note']})" if r["aware"] is not None and r["profile"] != "torch" else "")
         if r["aware"] is None:
             aware = r["aware_note"]
-        lines.append(f"| {r['profile']} | {cell(r['original'])} | {cell(r['today'])} | {aware} | {cell(r['bf16'])} |")
-    lines += ["", "Profile-aware ONNX (an internal power-of-two prescale of each norm's input): not built in this version."]
+        lines.append(f"| {r['profile']} | {cell(r['original'])} | {cell(r['today'])} | {aware} | "
+                     f"{onnx_cells.get(r['profile'], 'not measured')} | {cell(r['bf16'])} |")
+    if onnx_cells:
+        lines += ["", onnx_cells["note"]]
     (RESULTS / "runtime_profiles.md").write_text("\n".join(lines) + "\n")
 
 

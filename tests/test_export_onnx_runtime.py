@@ -142,3 +142,21 @@ def test_layernorm_family_prescaled_under_the_layernorm_profile(tmp_path):
     got = torch.from_numpy(_fp16_run(tmp_path / "onnx", calib[1]))
     assert torch.isfinite(got).all()
     assert mean_kl(logits(model.float().eval(), calib[1]).float(), got) < 1e-3
+
+
+def test_convert_to_onnx_under_a_profile_leaves_the_norms_to_the_graph(exported, capsys):
+    """`convert --to onnx --runtime all-fp16`: the checkpoint is chosen under the profile's arithmetic without its
+    norm statistics (the graph prescales the norms), so where `convert --runtime all-fp16` alone would have to move the
+    whole residual stream for the sums of squares, this writes a checkpoint and a graph that runs all-fp16."""
+    root, fp32, calib, _, _ = exported
+    out = root / "both"
+    assert main(["convert", str(root / "original"), str(out), "--seq-len", "32", "--max-samples", "2", "--to", "onnx",
+                 "--runtime", "all-fp16"]) == 0
+    assert "norms prescaled" in capsys.readouterr().out
+    info = json.loads((out / "halfsafe.json").read_text())
+    assert info["runtime"]["profile"]["name"] == "all-fp16 (norms in the graph)", info["runtime"]["profile"]
+    assert not info["runtime"]["profile"]["rms_stats_fp16"] and info["runtime"]["profile"]["matmul_chunk"] == 32
+    ids = calib[1]
+    got = torch.from_numpy(_fp16_run(out, ids))
+    assert torch.isfinite(got).all()
+    assert mean_kl(logits(fp32, ids).float(), got) < 1e-3

@@ -127,23 +127,30 @@ def cmd_convert(args) -> int:
     from .display import conversion_tables
     from .plots import plot_layer_peaks
 
+    from .runtimes import get_profile
+
+    runtime = get_profile(args.runtime)
     if args.to == "onnx":
         from .export.onnx import check_folder_exportable, require_onnx
 
         require_onnx()  # fail before the slow part
         check_folder_exportable(args.model)
+        runtime = runtime.without_norm_stats()  # the graph prescales its norms; the checkpoint meets the rest
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
         max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
-        max_shard_size=args.max_shard_size, runtime=args.runtime,
+        max_shard_size=args.max_shard_size, runtime=None if runtime.is_torch else runtime,
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
     if args.to == "onnx":
         from .export.onnx import add_onnx
 
-        console.print(f"wrote {add_onnx(args.out).path} (fp16 ONNX)")
+        onnx_report = add_onnx(args.out, runtime=args.runtime)
+        shifts = [p["shift"] for p in onnx_report.norm_prescales.values()]
+        console.print(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {args.runtime}: {len(shifts)} norms prescaled by "
+                      f"2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm" if shifts else "") + ")")
     if args.plot:
         plot_layer_peaks(
             {"before": [l.residual_peak for l in report.scan_before.layers], "after (fp16 checkpoint)": [v for _, v in report.layers_after]},

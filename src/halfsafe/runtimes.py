@@ -26,7 +26,7 @@ breaks under it. The kernels each profile follows, read at the commits named:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import HalfsafeError
 
@@ -51,6 +51,14 @@ class RuntimeProfile:
     @property
     def norm_stats_fp16(self) -> bool:
         return self.rms_stats_fp16 or self.layernorm_fp16
+
+    def without_norm_stats(self) -> "RuntimeProfile":
+        """What a checkpoint must survive when its graph export computes the norms on a prescaled input
+        (`convert --to onnx --runtime P`): P's other float16 arithmetic; the torch profile when nothing is left."""
+        if not self.norm_stats_fp16:
+            return self
+        rest = replace(self, name=f"{self.name} (norms in the graph)", rms_stats_fp16=False, layernorm_fp16=False)
+        return PROFILES[DEFAULT] if rest.is_torch else rest
 
     def to_dict(self) -> dict:
         return {"name": self.name, "summary": self.summary, "rms_stats_fp16": self.rms_stats_fp16,

@@ -540,12 +540,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
         log.warning(warning)  # before the slow part
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
-    prescales = {}
-    if profile.norm_stats_fp16:
-        from .onnx_norms import calibration_ids, prescale_norms_
-
-        ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
-        prescales = {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
+    prescales = prescale_for(profile, model, folder)
     with atomic_folder(out, replace=overwrite) as tmp:
         path = out / write_onnx(model, tmp, source=folder, exporter=exporter).relative_to(tmp)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
@@ -553,16 +548,30 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     return report
 
 
-def add_onnx(folder: str | Path) -> OnnxExportReport:
+def prescale_for(profile, model, folder: Path) -> dict[str, dict]:
+    """A profile that computes norm statistics in float16 gets each norm of `model` prescaled (onnx_norms), measured
+    on the folder's tokenizer and the embedded text; {} otherwise."""
+    if not profile.norm_stats_fp16:
+        return {}
+    from .onnx_norms import calibration_ids, prescale_norms_
+
+    ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
+    return {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
+
+
+def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport:
     """`halfsafe convert --to onnx`: add the ONNX files (`onnx/model_fp16.onnx`, or T5's encoder and decoder) to a
     converted checkpoint folder, beside its weights (the layout of a model repository that serves both transformers
-    and transformers.js)."""
+    and transformers.js). `runtime`: as for export_onnx."""
     from ..checkpoint import atomic_folder
+    from ..runtimes import get_profile
 
+    profile = get_profile(runtime)
     folder = check_source(folder)
     require_onnx()
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
+    prescales = prescale_for(profile, model, folder)
     onnx_dir = folder / Path(ONNX_FILE).parent
     with atomic_folder(onnx_dir, replace=True) as tmp:
         for rel, program in exporter.programs(model):
@@ -571,7 +580,9 @@ def add_onnx(folder: str | Path) -> OnnxExportReport:
             del program
     exporter.finish(folder)
     warning = not_converted_warning(folder)
-    return report_for(path, model.config.model_type, converted=warning is None, warning=warning)
+    report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
+    report.runtime, report.norm_prescales = profile.name, prescales
+    return report
 
 
 def report_for(path: Path, model_type: str, converted: bool, warning: str | None = None) -> OnnxExportReport:
