@@ -63,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(cache_dir() / "bench-export-onnx-runtime"))
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--reuse", action="store_true", help="reuse OUT's exports from an earlier run (export reports kept beside them)")
     args = ap.parse_args()
     out = Path(args.out)
     source = gemma3_270m_folder()
@@ -70,10 +71,15 @@ def main() -> None:
     if not (converted / "halfsafe.json").is_file():
         log("convert (default settings)")
         convert_checkpoint(str(source), str(converted), progress=False, overwrite=True)
-    reports = {}
+    prescales = {}
     for name, runtime in (("plain", None), ("all-fp16", "all-fp16")):
-        log(f"export {name}")
-        reports[name] = export_onnx(converted, out / name, overwrite=True, runtime=runtime)
+        kept = out / f"{name}.prescales.json"
+        if args.reuse and kept.is_file() and (out / name / ONNX_FILE).is_file():
+            log(f"reuse the {name} export")
+        else:
+            log(f"export {name}")
+            kept.write_text(json.dumps(export_onnx(converted, out / name, overwrite=True, runtime=runtime).norm_prescales))
+        prescales[name] = json.loads(kept.read_text())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(source))
@@ -83,7 +89,7 @@ def main() -> None:
         ref = model(ids).logits.float()
         bf16 = model.to(torch.bfloat16)(ids).logits.float()
     rows = {"bf16 (PyTorch)": measure(ref, bf16)}
-    for name in reports:
+    for name in prescales:
         proto = fp16_statistics(onnx.load(str(out / name / ONNX_FILE)))
         for label, profile in (("all ops fp16, matmul sums fp32", None), ("all ops fp16, matmul sums fp16 (all-fp16)", "all-fp16")):
             log(f"reference evaluator, {name}, {label}, {ids.shape[1]} tokens")
@@ -91,8 +97,8 @@ def main() -> None:
             rows[f"{name} ONNX, {label}"] = measure(ref, torch.from_numpy(got))
             log(f"  {rows[f'{name} ONNX, {label}']}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    shifts = [p["shift"] for p in reports["all-fp16"].norm_prescales.values()]
-    data = {"commit": commit, "tokens": int(ids.shape[1]), "rows": rows, "prescales": reports["all-fp16"].norm_prescales,
+    shifts = [p["shift"] for p in prescales["all-fp16"].values()]
+    data = {"commit": commit, "tokens": int(ids.shape[1]), "rows": rows, "prescales": prescales["all-fp16"],
             "seconds": time.perf_counter() - T0}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "export_onnx_runtime.json").write_text(json.dumps(data, indent=1) + "\n")
