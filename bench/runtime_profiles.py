@@ -124,7 +124,7 @@ def main() -> None:
 
 
 ONNX_ROWS = {  # profile -> the export_onnx_runtime.json row that runs the profile-aware graph under its arithmetic
-    "fp16-norm-stats": "all-fp16 ONNX, all ops fp16, matmul sums fp32",
+    "fp16-norm-stats": "fp16-norm-stats ONNX, all ops fp16, matmul sums fp32",
     "all-fp16": "all-fp16 ONNX, all ops fp16, matmul sums fp16 (all-fp16)",
 }
 
@@ -144,9 +144,9 @@ def onnx_column() -> dict:
 
     bf16 = rows["bf16 (PyTorch)"]
     out = {p: f"{fmt(rows[r])} on {n} tokens (bf16 on those: {fmt(bf16)})" for p, r in ONNX_ROWS.items() if r in rows}
-    plain = {p: rows[r.replace("all-fp16 ONNX", "plain ONNX")] for p, r in ONNX_ROWS.items() if r.replace("all-fp16 ONNX", "plain ONNX") in rows}
-    out["note"] = (f"Profile-aware ONNX: `halfsafe export onnx CONVERTED OUT --runtime all-fp16` (each norm prescaled "
-                   f"inside the graph), run by onnx's reference evaluator with every op in float16 and, for all-fp16, "
+    plain = {p: rows["plain ONNX" + r[r.index(","):]] for p, r in ONNX_ROWS.items() if "plain ONNX" + r[r.index(","):] in rows}
+    out["note"] = (f"Profile-aware ONNX: `halfsafe export onnx CONVERTED OUT --runtime P` (each norm prescaled "
+                   f"inside the graph; under all-fp16 also the head's K split in {onnx.get('head_groups', 1)} products), run by onnx's reference evaluator with every op in float16 and, for all-fp16, "
                    f"matmul sums in float16 runs of 32 (halfsafe.export.onnx_profile_ops); `python "
                    f"bench/export_onnx_runtime.py --seq {n}` at commit {onnx['commit']}. Today's export under the same "
                    f"arithmetic: " + "; ".join(f"{p} {fmt(m)}" for p, m in plain.items()) + ".")

@@ -72,3 +72,28 @@ def test_reductions_and_softmax_are_arith16s():
     model = _graph([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], ["x"], "y")
     (got,) = profile_evaluator(model, "all-fp16").run(None, {"x": x})
     assert np.array_equal(got.astype(np.float32), arith16.softmax16(torch.from_numpy(x.astype(np.float32))).numpy())
+
+
+def test_the_split_head_computes_the_same_logits_in_fewer_float16_running_sums():
+    from torch import nn
+
+    from halfsafe.export.onnx_accumulate import split_head_
+    from halfsafe.runtimes import get_profile
+
+    class Head(nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.lm_head = nn.Linear(k, 50, bias=False)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 640)
+    model = Head(640)
+    want = model.lm_head(x)
+    assert split_head_(model, get_profile("fp16-norm-stats")) == 1  # float32 sums: nothing to split
+    assert split_head_(model, get_profile("all-fp16")) == 4
+    assert torch.allclose(model.lm_head(x), want, rtol=0, atol=1e-5)  # the same function, summed in another order
+    assert split_head_(Head(40), get_profile("all-fp16")) == 1  # K = 40: not two runs of 32
+    assert split_head_(Head(100), get_profile("all-fp16")) == 3

@@ -54,6 +54,7 @@ class OnnxExportReport:
     versions: dict[str, str] = field(default_factory=dict)
     runtime: str = "torch"
     norm_prescales: dict[str, dict] = field(default_factory=dict)  # --runtime P: per norm, its peak and c = 2^-shift
+    head_groups: int = 1  # --runtime P with float16 accumulation: the head's K in this many products (onnx_accumulate)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -540,23 +541,27 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
         log.warning(warning)  # before the slow part
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
-    prescales = prescale_for(profile, model, folder)
+    prescales, groups = rewrite_for(profile, model, folder)
     with atomic_folder(out, replace=overwrite) as tmp:
         path = out / write_onnx(model, tmp, source=folder, exporter=exporter).relative_to(tmp)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
-    report.runtime, report.norm_prescales = profile.name, prescales
+    report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
     return report
 
 
-def prescale_for(profile, model, folder: Path) -> dict[str, dict]:
-    """A profile that computes norm statistics in float16 gets each norm of `model` prescaled (onnx_norms), measured
-    on the folder's tokenizer and the embedded text; {} otherwise."""
-    if not profile.norm_stats_fp16:
-        return {}
-    from .onnx_norms import calibration_ids, prescale_norms_
+def rewrite_for(profile, model, folder: Path) -> tuple[dict[str, dict], int]:
+    """The exact graph-level rewrites `profile` needs, made on `model` in place before export: each norm prescaled
+    where norm statistics are float16 (onnx_norms, measured on the folder's tokenizer and the embedded text), the
+    head split where linears accumulate in float16 (onnx_accumulate). Returns (prescales, head groups)."""
+    from .onnx_accumulate import split_head_
 
-    ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
-    return {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
+    prescales = {}
+    if profile.norm_stats_fp16:
+        from .onnx_norms import calibration_ids, prescale_norms_
+
+        ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
+        prescales = {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
+    return prescales, split_head_(model, profile)
 
 
 def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport:
@@ -571,7 +576,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport
     require_onnx()
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
-    prescales = prescale_for(profile, model, folder)
+    prescales, groups = rewrite_for(profile, model, folder)
     onnx_dir = folder / Path(ONNX_FILE).parent
     with atomic_folder(onnx_dir, replace=True) as tmp:
         for rel, program in exporter.programs(model):
@@ -581,7 +586,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport
     exporter.finish(folder)
     warning = not_converted_warning(folder)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
-    report.runtime, report.norm_prescales = profile.name, prescales
+    report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
     return report
 
 
