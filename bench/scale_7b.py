@@ -178,7 +178,7 @@ def _fmt(x, spec: str = ".2e") -> str:
 def markdown(r: dict) -> str:
     m = r["machine"]
     lines = [f"`{r['command']}`: the {r['architecture']} synthetic `{r['size']}` ({r['params'] / 1e9:.2f}B parameters, "
-             f"{r['checkpoint_gb']:.1f} GB bf16 in {r['checkpoint_shards']} shards; bench/make_synthetic.py) converted and "
+             f"{r['checkpoint_gb']:.1f} GB bf16 in {r['checkpoint_shards']} shard{'s' if r['checkpoint_shards'] != 1 else ''}; bench/make_synthetic.py) converted and "
              f"verified with the CLI under a hard cgroup memory cap of {_fmt(r['cap_gb'], '.0f') if r['cap_gb'] else 'none'}"
              f"{' GB' if r['cap_gb'] else ''} (page cache included).",
              f"Machine: {m.get('cpu')}, {m.get('cpu_cores')} cores, {m.get('memory_gib', '?')} GiB, torch "
@@ -188,19 +188,22 @@ def markdown(r: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["steps"].items():
         reads = s.get("checkpoint_reads")
-        total = reads.get("total", sum(v for v in reads.values() if isinstance(v, int))) if reads else None
+        total = reads.get("total", sum(v for v in reads.values() if isinstance(v, (int, float)))) if reads else None
         lines.append(f"| {name} | {s['exit']}{' (time limit)' if s.get('timed_out') else ''} | {s['wall_s']:.0f} | "
                      f"{s['cpu_s']:.0f} | {per_billion(s['cpu_s'], r['params']):.0f} | {s['peak_rss_gb']:.2f} | "
-                     f"{_fmt(s.get('cgroup_peak_gb'), '.2f')} | {'not reported' if total is None else total} |")
+                     f"{_fmt(s.get('cgroup_peak_gb'), '.2f')} | {'not reported' if total is None else format(total, 'g')} |")
     lines += ["", "Commands:", ""]
     lines += [f"    {shlex.join(s['argv'])}" for s in r["steps"].values()]
     phases = [(name, p) for name, s in r["steps"].items() for p in s.get("phases", [])]
     if phases:
-        lines += ["", "| command | phase | wall s | CPU-s | checkpoint reads |", "|---|---|---:|---:|---:|"]
-        lines += [f"| {name} | {p['name']} | {p['wall_s']:.1f} | {p['cpu_s']:.1f} | "
-                  f"{r['steps'][name].get('checkpoint_reads', {}).get(p['name'], '')} |" for name, p in phases]
+        lines += ["", "| command | phase | wall s | CPU-s |", "|---|---|---:|---:|"]
+        lines += [f"| {name} | {p['name']} | {p['wall_s']:.1f} | {p['cpu_s']:.1f} |" for name, p in phases]
     else:
         lines += ["", "Per-phase timings: not in these reports (this halfsafe writes no `phases`)."]
+    reads = {name: s["checkpoint_reads"] for name, s in r["steps"].items() if s.get("checkpoint_reads")}
+    if reads:
+        lines += ["", "Checkpoint reads (passes over its tensors) per phase: " + "; ".join(
+            f"{name}: " + ", ".join(f"{k} {v:g}" for k, v in d.items()) for name, d in reads.items()) + "."]
     kl = r.get("variants", {})
     if kl:
         lines += ["", f"verify ({r['verify_samples']} x {r['verify_seq_len']} held-out tokens), per variant:", "",
@@ -220,9 +223,10 @@ def projection_text(r: dict) -> str:
         return "No projection: convert did not finish."
     models = "; ".join(f"{name}: ~{m['convert_wall_min']:.0f} min wall, {m['convert_cpu_s']} CPU-s"
                        for name, m in p["models"].items())
-    return (f"Projection refitted from this convert (time grows with parameters x calibration tokens; "
-            f"{r['calibration']}): {p['wall_s_per_billion']:.0f} s wall and {p['cpu_s_per_billion']:.0f} CPU-s per "
-            f"billion parameters on this machine, so {models}.")
+    scope = "" if r["size"] == DEFAULT_SIZE else f" (From a {r['size']} run: a check of the script, not a basis for it.)"
+    return (f"Projection refitted from this convert: {p['wall_s_per_billion']:.0f} s wall and "
+            f"{p['cpu_s_per_billion']:.0f} CPU-s per billion parameters on this machine (calibration: {r['calibration']}; "
+            f"time grows with parameters x calibration tokens), so {models}.{scope}")
 
 
 def update_readme(r: dict, readme: Path = ROOT / "README.md") -> None:
@@ -289,8 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         "size": args.size, "architecture": "DeepSeek-R1-Distill-Qwen-7B" if args.size in QWEN_SIZES else "Llama-style",
         "params": params, "checkpoint": str(syn), "checkpoint_gb": round(folder_gb(syn), 2),
         "checkpoint_shards": len(list(syn.glob("*.safetensors"))), "generated": generated, "cap_gb": cap and cap / 1e9,
-        "calibration": f"{args.samples or 'default'} samples x {args.seq_len or 'default'} tokens"
-                       + (" (the CLI's 8 x 512)" if args.samples is None and args.seq_len is None else ""),
+        "calibration": f"{args.samples or 'the default'} samples x {args.seq_len or 'the default'} tokens"
+                       + (" (the CLI's defaults, 8 x 512 at this commit)" if args.samples is None and args.seq_len is None else ""),
         "verify_samples": args.verify_samples, "verify_seq_len": args.verify_seq_len, "steps": steps, "variants": variants,
         "cpu_s_per_billion": {n: round(per_billion(s["cpu_s"], params), 1) for n, s in steps.items()},
     }
