@@ -6,10 +6,11 @@ hard memory cap; refit the README's 9B / 27B time projection from it.
     python bench/scale_7b.py --report-only [--readme]     # the .md (and the README block) again from the .json
 
 The checkpoint (bench/make_synthetic.py; kept between runs) is --checkpoint: by default /work/syn7b for qwen7b and
-/tmp/halfsafe-synthetic/<name> for the other sizes. The commands, with the `halfsafe` script beside this Python:
+/tmp/halfsafe-synthetic/<name> for the other sizes; OUT is WORK/<its name>-fp16 (--work, default /tmp/halfsafe-synthetic).
+The commands, with the `halfsafe` script beside this Python:
 
     halfsafe convert SYN OUT --device cpu --max-shard-size 5GB --overwrite [--max-samples N] [--seq-len N]
-    halfsafe verify SYN OUT --device cpu --seq-len 512 --max-samples 1 --json OUT.verify.json [--greedy-tokens N]
+    halfsafe verify SYN OUT --device cpu --seq-len 512 --max-samples 1 --json WORK/NAME.verify.json [--greedy-tokens N]
 
 each under a cgroup v1 memory limit (bench/memory_cap.py: needs root; --cap-gb 0 runs uncapped). The limit counts
 page cache: under 8 GB the 15.2 GB checkpoint cannot stay cached, so every pass over it reads it again.
@@ -17,7 +18,7 @@ Per command: exit code, wall, CPU-seconds (user + system of the command and its 
 peak; the report's "phases" and "checkpoint_reads" where the CLI writes them (convert: OUT/halfsafe.json; verify:
 its --json); verify's KL to fp32 of every variant. OUT (2 bytes a parameter) is removed after verify unless
 --keep-output. Writes bench/results/scale_7b.{json,md} for qwen7b, bench/results/scale_7b-SIZE.{json,md} for
-another size (a test run never replaces the measurement).
+another size (a test run never replaces the measurement); --results DIR writes them elsewhere.
 """
 
 from __future__ import annotations
@@ -316,23 +317,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--timeout-s", type=int, help="time limit per command (exit 124 past it)")
     ap.add_argument("--keep-output", action="store_true", help="keep the converted fp16 folder")
+    ap.add_argument("--results", default=str(RESULTS), help="where the .json and .md go (default bench/results)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md (and --readme) from the saved .json")
     ap.add_argument("--readme", action="store_true", help="also fill README.md's scale_7b block (the qwen7b run only)")
     args = ap.parse_args(argv)
     name = results_name(args.size)
+    results = Path(args.results)
     try:
         if args.report_only:
-            path = RESULTS / f"{name}.json"
+            path = results / f"{name}.json"
             if not path.is_file():
                 raise BenchError(f"no {path}: run python bench/scale_7b.py --size {args.size} first")
             result = json.loads(path.read_text())
         else:
             result = run(args)
-            RESULTS.mkdir(exist_ok=True)
-            (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / f"{name}.md").write_text(markdown(result))
+            results.mkdir(parents=True, exist_ok=True)
+            (results / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (results / f"{name}.md").write_text(markdown(result))
         print(markdown(result))
-        print(f"wrote bench/results/{name}.md" + ("" if args.report_only else " and .json"))
+        print(f"wrote {results / name}.md" + ("" if args.report_only else " and .json"))
         if args.readme:
             update_readme(result)
     except BenchError as e:
