@@ -154,9 +154,10 @@ def projection(result: dict) -> dict:
 
 
 def machine() -> dict:
+    import halfsafe
     from halfsafe.verify import environment
 
-    info = environment()
+    info = {**environment(), "halfsafe_source": str(Path(halfsafe.__file__).parent)}  # the commit below is this tree's
     try:
         info["memory_gib"] = round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1)
     except (OSError, IndexError, ValueError):
