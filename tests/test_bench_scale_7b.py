@@ -1,0 +1,80 @@
+"""bench/scale_7b.py's report: the table, per-phase timings and checkpoint reads when the CLI's reports have them (and
+a plain note when not), the 9B / 27B projection computed from the measured convert, and the README block it fills."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def scale_7b(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import scale_7b
+
+    return scale_7b
+
+
+def _step(argv: list[str], wall: float, cpu: float, **extra) -> dict:
+    return {"argv": argv, "exit": 0, "wall_s": wall, "cpu_s": cpu, "peak_rss_gb": 1.2, "cap_gb": 8.0,
+            "cgroup_peak_gb": 7.9, "times_at_cap": 3, **extra}
+
+
+def _result(scale_7b, **convert_extra) -> dict:
+    r = {"command": "python bench/scale_7b.py", "started_utc": "2026-12-01T23:00:00+00:00", "git_commit": "abc",
+         "machine": {"cpu": "CPU", "cpu_cores": 2, "memory_gib": 23.4, "torch": "2"}, "load_average": [1.0, 2.0],
+         "size": "qwen7b", "architecture": "DeepSeek-R1-Distill-Qwen-7B", "params": 7_615_616_512,
+         "checkpoint": "/work/syn7b", "checkpoint_gb": 15.23, "checkpoint_shards": 4, "cap_gb": 8.0,
+         "calibration": "default samples x default tokens (the CLI's 8 x 512)", "verify_samples": 1, "verify_seq_len": 512,
+         "steps": {"convert": _step(["halfsafe", "convert", "SYN", "OUT"], 761.6, 1523.1, **convert_extra),
+                   "verify": _step(["halfsafe", "verify", "SYN", "OUT"], 300, 590)},
+         "variants": {"bf16": {"kl_mean": 1.6e-4, "nonfinite_logits": 0, "top1": 0.97, "forward_s": 10.0},
+                      "fp16": {"kl_mean": float("nan"), "nonfinite_logits": 99, "top1": 0.0, "forward_s": 30.0},
+                      "halfsafe fp16": {"kl_mean": 2.5e-6, "nonfinite_logits": 0, "top1": 0.99, "forward_s": 30.0}}}
+    r["projection"] = scale_7b.projection(r)
+    return r
+
+
+def test_projection_scales_the_measured_convert_by_parameters(scale_7b):
+    p = _result(scale_7b)["projection"]
+    assert p["wall_s_per_billion"] == pytest.approx(100.0, abs=0.05)  # 761.6 s / 7.6156B
+    assert p["cpu_s_per_billion"] == pytest.approx(200.0, abs=0.05)
+    assert p["models"]["9B"]["convert_wall_min"] == pytest.approx(15.0, abs=0.05)
+    assert p["models"]["27B"]["convert_cpu_s"] == pytest.approx(5400, abs=2)
+    failed = _result(scale_7b)
+    failed["steps"]["convert"]["exit"] = -9
+    assert scale_7b.projection(failed) == {}
+
+
+def test_markdown_with_and_without_phases_and_reads(scale_7b):
+    bare = scale_7b.markdown(_result(scale_7b))
+    assert "| convert | 0 | 762 | 1523 | 200 | 1.20 | 7.90 | not reported |" in bare
+    assert "not in these reports" in bare and "Checkpoint reads" not in bare
+    assert "(64x closer to fp32)" in bare and "9B: ~15 min wall" in bare
+
+    full = scale_7b.markdown(_result(scale_7b, phases=[{"name": "scan", "wall_s": 400.0, "cpu_s": 790.5}],
+                                     checkpoint_reads={"scan": 1.0, "candidates": 2.0, "total": 3.0}))
+    assert "| convert | 0 | 762 | 1523 | 200 | 1.20 | 7.90 | 3 |" in full
+    assert "| convert | scan | 400.0 | 790.5 |" in full
+    assert "convert: scan 1, candidates 2, total 3" in full
+
+
+def test_readme_block_is_filled_between_its_markers_only(scale_7b, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{scale_7b.README_BEGIN} (note) -->\nold text\n{scale_7b.README_END}\nafter\n")
+    r = _result(scale_7b)
+    scale_7b.update_readme(r, readme)
+    text = readme.read_text()
+    assert text.startswith(f"before\n{scale_7b.README_BEGIN} (note) -->\n`python bench/scale_7b.py`")
+    assert text.endswith(f"{scale_7b.README_END}\nafter\n") and "old text" not in text
+    scale_7b.update_readme(r, readme)
+    assert readme.read_text() == text  # refilling replaces, never stacks
+
+    with pytest.raises(scale_7b.BenchError, match="--size qwen7b"):
+        scale_7b.update_readme({**r, "size": "qwen7b-tiny"}, readme)
+    readme.write_text("no markers\n")
+    with pytest.raises(scale_7b.BenchError, match="markers"):
+        scale_7b.update_readme(r, readme)
