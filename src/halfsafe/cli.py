@@ -17,6 +17,7 @@ from . import __version__
 from .errors import HalfsafeError
 
 DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # engine.write's, without importing torch to build the parser
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
@@ -296,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
-    p.add_argument("--max-shard-size", default="50GB", type=_shard_size, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
+                   help=f"largest output weight file, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE}, as the hub expects; bigger "
+                        "checkpoints get model-0000N-of-0000M.safetensors and model.safetensors.index.json)")
     _runtime_option(p, "choose the plan (or refuse)")
     _engine_options(p)
     p.set_defaults(func=cmd_convert)
