@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from rich.progress import Progress
 from transformers.core_model_loading import dot_natural_key
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import HalfsafeError
+from ..progress import phase
 from .shards import row_spans
 from .streamed import Streamed, saved_name
 
@@ -71,11 +71,10 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     streamed.dtype, streamed.device = torch.float32, torch.device("cpu")  # rescale in float32, then cast: as .half() would
     streamed._cache.clear()
     try:
-        with Progress(transient=True, disable=not progress) as bar:
-            task = bar.add_task("Writing float16 weights", total=len(layout))
+        with phase("write", total=len(layout), unit="tensors", quiet=not progress) as bar:
             for filename, names in split.filename_to_tensors.items():
                 _write_file(folder / filename, {n: layout[n] for n in names}, lambda n: _value(streamed, params, buffers, name_of[n], dtype, bad),
-                            lambda: bar.advance(task))
+                            bar.advance)
     finally:
         streamed.dtype, streamed.device = saved
         streamed._cache.clear()

@@ -19,6 +19,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..engine.streamed import compute_device
 from ..forward import is_encoder_decoder
 from ..forward import logits as forward_logits
+from ..progress import phase
 from .accumulator import Accumulator, matched_prefix
 from .block_peaks import BlockPeaks
 from .memory import parameter_bytes, peak_memory
@@ -153,31 +154,34 @@ class Runner:
         try:
             for t, text_samples in enumerate(self.inputs.samples):
                 acc = Accumulator(lm, self.collapse)
-                for s, ids in enumerate(text_samples):
-                    self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
+                text = "" if len(self.inputs.samples) == 1 else f", text {t + 1}"
+                with phase(f"{variant.name}{text}", model, passes=len(text_samples)):
+                    for s, ids in enumerate(text_samples):
+                        self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
 
-                    def forward(ids=ids):
-                        return forward_logits(model, ids)
+                        def forward(ids=ids):
+                            return forward_logits(model, ids)
 
-                    start = time.perf_counter()
-                    if t == 0 and s == 0:
-                        out, peak_act, method = peak_memory(forward, device)
-                    else:
-                        out = forward()
-                    seconds += time.perf_counter() - start
-                    tokens += ids.numel()
-                    out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
-                    logit_bytes = max(logit_bytes, out.numel() * 4)
-                    if reference:
-                        self.refs.save(t, s, out)
-                    ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
-                    acc.add(ref, out, ids, encdec)
-                    del out, ref
+                        start = time.perf_counter()
+                        if t == 0 and s == 0:
+                            out, peak_act, method = peak_memory(forward, device)
+                        else:
+                            out = forward()
+                        seconds += time.perf_counter() - start
+                        tokens += ids.numel()
+                        out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
+                        logit_bytes = max(logit_bytes, out.numel() * 4)
+                        if reference:
+                            self.refs.save(t, s, out)
+                        ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
+                        acc.add(ref, out, ids, encdec)
+                        del out, ref
                 if self.greedy_tokens > 0 and model.can_generate():
                     self.progress(f"{variant.name}: greedy generation, text {t + 1}")
                     # blocks stay loaded between tokens up to the bytes one sample's float32 logits took above:
                     # generation then needs no more memory than the forward passes did
-                    toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
+                    with phase(f"{variant.name} greedy{text}", model, passes=self.greedy_tokens, unit="tokens"):
+                        toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
                     greedy_all.append(toks)
                     ref_toks = toks if reference else self.refs.greedy[t]
                     acc.add_greedy(matched_prefix(ref_toks, toks), len(ref_toks))
