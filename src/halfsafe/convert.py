@@ -91,10 +91,9 @@ class ConversionReport:
 
 
 @torch.no_grad()
-def evaluate_candidate(model, family, groups, exponents, ids, ref, progress: bool = False) -> Candidate:
+def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
     """Apply, run in fp16 on `ids`, compare to the fp32 reference, undo (bit for bit)."""
-    name = f"candidate residual 2^{exponents['residual']}" if "residual" in exponents else "candidate"
-    with phase(name, model, quiet=not progress), trial(model, family, groups, exponents), in_dtype(model, torch.float16) as half:
+    with trial(model, family, groups, exponents), in_dtype(model, torch.float16) as half:
         out = forward_logits(half, ids)  # compared in fp16: the metrics widen a few positions at a time, exactly
     finite = bool(torch.isfinite(out).all())
     return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
@@ -213,7 +212,9 @@ def plan_fp16_safe(
     if profile.is_torch:
         for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
             kept, left = keeps_margin(constraints, e, reference, headroom_bits)
-            c = evaluate_candidate(model, family, groups, e, eval_ids, ref, progress) if kept else Candidate(dict(e), math.nan, math.nan, False)
+            name = f"candidate residual 2^{e['residual']}" if "residual" in e else "candidate"
+            with phase(name, model, quiet=not progress or not kept):  # an fp16 copy made inside is counted too
+                c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
             c.headroom_bits, c.keeps_margin = left, kept
             tried.append(c)
         chosen = choose_candidate(tried)
