@@ -12,6 +12,15 @@ if os.environ.get("HALFSAFE_TEST_THREADS"):  # scripts/test runs the streamed/wh
 sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
 
 
+@pytest.fixture(autouse=True)
+def no_progress_lines(monkeypatch):
+    """The CLI's plain progress lines (one every 10 s on stderr) would make its output depend on the machine's speed:
+    tests see none unless they ask (tests/test_progress.py)."""
+    from halfsafe import progress
+
+    monkeypatch.setattr(progress, "INTERVAL", 1e9)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For a module of tiny models: `pytestmark = pytest.mark.usefixtures("one_thread")` (one torch thread is

@@ -137,6 +137,43 @@ def test_sharded_output_with_index_loads_in_transformers(tmp_path):
     assert streamed_of(streamed_again) is not None
 
 
+def test_default_shard_size_is_the_hubs_5gb_in_the_api_and_the_cli():
+    from huggingface_hub.serialization._base import MAX_SHARD_SIZE
+
+    from halfsafe.checkpoint import shard_size
+    from halfsafe.cli import build_parser
+    from halfsafe.engine.write import DEFAULT_MAX_SHARD_SIZE
+
+    assert shard_size(DEFAULT_MAX_SHARD_SIZE) == shard_size(MAX_SHARD_SIZE) == 5 * 10**9
+    assert build_parser().parse_args(["convert", "m", "out"]).max_shard_size == 5 * 10**9
+
+
+@pytest.mark.parametrize("key", ["qwen3", "gemma3", "gpt_neox"])  # stored names as the model's, renamed, renamed apart
+def test_past_the_limit_streamed_and_whole_write_the_same_shards_and_index(key, tmp_path):
+    """A checkpoint bigger than the (test-sized) limit: the streamed writer's shards and index are save_pretrained's,
+    byte for byte, and transformers loads them; under the limit both write one model.safetensors, no index."""
+    from halfsafe.loading import model_class_for
+
+    whole, streamed = _pair(key, tmp_path / "src")
+    limit = (tmp_path / "src/model.safetensors").stat().st_size // 2  # float32 source: the fp16 output is about one half
+    for name, model in (("whole", whole), ("streamed", streamed)):
+        save_fp16_checkpoint(model, None, tmp_path / name, {}, max_shard_size=limit // 3)
+        save_fp16_checkpoint(model, None, tmp_path / f"{name}-one", {}, max_shard_size=limit * 2)
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir() if "safetensors" in p.name)
+    assert len(files) > 3 and "model.safetensors.index.json" in files
+    assert files == sorted(p.name for p in (tmp_path / "streamed").iterdir() if "safetensors" in p.name)
+    for f in files:
+        assert (tmp_path / "whole" / f).read_bytes() == (tmp_path / "streamed" / f).read_bytes(), f
+    for name in ("whole-one", "streamed-one"):
+        assert sorted(p.name for p in (tmp_path / name).iterdir() if "safetensors" in p.name) == ["model.safetensors"]
+    assert (tmp_path / "whole-one/model.safetensors").read_bytes() == (tmp_path / "streamed-one/model.safetensors").read_bytes()
+    cls = model_class_for(whole.config)
+    again = cls.from_pretrained(tmp_path / "streamed", dtype=torch.float16)  # transformers' own loader, from the index
+    one = cls.from_pretrained(tmp_path / "streamed-one", dtype=torch.float16)
+    ids = tiny_ids(whole, 8)
+    assert torch.equal(logits(again, ids), logits(one, ids))
+
+
 def test_bad_checkpoints_fail_in_one_line(tmp_path):
     save_tiny("llama", tmp_path / "m")
     whole = load_model(tmp_path / "m").model

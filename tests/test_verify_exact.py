@@ -73,7 +73,7 @@ def test_variant_result_and_report_dicts():
     assert rep.to_dict() == {
         "model": "m", "converted": None, "model_type": "llama", "texts": [{"name": "t", "samples": 1, "tokens": 4}], "seq_len": 8,
         "greedy_tokens": 2, "prompt_tokens": 3, "reference": "fp32", "fp16_max": 65504.0, "layers": ["l0"],
-        "variants": [rep.results[0].to_dict(), r.to_dict()], "skipped": {HALFSAFE: "why"}, "environment": {"cpu": "x"},
+        "variants": [rep.results[0].to_dict(), r.to_dict()], "skipped": {HALFSAFE: "why"}, "environment": {"cpu": "x"}, "phases": [],
     }
     bare = VerifyReport("m", "c", "t", [], 1, 0, 0, [], [])
     assert bare.skipped == {} and bare.environment == {}

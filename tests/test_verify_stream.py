@@ -23,7 +23,7 @@ from tiny import make_tiny
 KEYS = ["gemma3_text", "t5"]  # sandwich norms with (1+w) gains; encoder-decoder (transformers keeps wo fp32)
 TEXTS = [heldout_text()[:300]]
 ARGS = dict(texts=TEXTS, text_names=["a"], seq_len=16, max_samples=2, greedy_tokens=3, prompt_tokens=5)
-TIMING = {"forward_seconds", "forward_tokens_per_s"}  # differs run to run; everything else must be equal
+TIMING = {"forward_seconds", "forward_tokens_per_s", "wall_s", "cpu_s"}  # differs run to run; everything else must be equal
 
 
 @pytest.fixture(scope="module", params=KEYS)

@@ -27,6 +27,7 @@ from .engine.streamed import streamed_of
 from .engine.write import DEFAULT_MAX_SHARD_SIZE, write_weights
 from .errors import HalfsafeError
 from .precision import cast_copy
+from .progress import phase
 
 log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
@@ -257,10 +258,11 @@ def save_fp16_checkpoint(
             if streamed_of(model) is not None:
                 _write_streamed(model, tmp, max_shard_size, progress)
             else:
-                half = cast_copy(model, torch.float16)
-                _check_weights(half)
-                half.save_pretrained(tmp, max_shard_size=max_shard_size)
-                del half
+                with phase("write", quiet=not progress):
+                    half = cast_copy(model, torch.float16)
+                    _check_weights(half)
+                    half.save_pretrained(tmp, max_shard_size=max_shard_size)
+                    del half
             _write_extras(tokenizer, tmp, info, source_folder)
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]

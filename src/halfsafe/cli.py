@@ -17,6 +17,7 @@ from . import __version__
 from .errors import HalfsafeError
 
 DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # engine.write's, without importing torch to build the parser
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
@@ -126,7 +127,6 @@ def cmd_convert(args) -> int:
     from .convert import convert_checkpoint
     from .display import conversion_tables
     from .plots import plot_layer_peaks
-
     from .runtimes import get_profile
 
     runtime = get_profile(args.runtime)
@@ -146,11 +146,15 @@ def cmd_convert(args) -> int:
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
     if args.to == "onnx":
         from .export.onnx import add_onnx
+        from .progress import phase
 
-        onnx_report = add_onnx(args.out, runtime=args.runtime)
+        with phase("export") as exported:
+            onnx_report = add_onnx(args.out, runtime=args.runtime)
+        report.phases.append(exported.record())
         shifts = [p["shift"] for p in onnx_report.norm_prescales.values()]
         console.print(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {args.runtime}: {len(shifts)} norms prescaled by "
                       f"2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm" if shifts else "") + ")")
+    _write_json(args.json, {"source": args.model, **report.to_dict(), "phases": report.phases})
     if args.plot:
         plot_layer_peaks(
             {"before": [l.residual_peak for l in report.scan_before.layers], "after (fp16 checkpoint)": [v for _, v in report.layers_after]},
@@ -194,8 +198,7 @@ def cmd_demo(args) -> int:
     conversion_tables(convert_checkpoint(DEFAULT_MODEL, str(out), overwrite=True), console)
     console.print(f"wrote {out}")
     console.rule(f"3/3  halfsafe verify {DEFAULT_MODEL} {out}")
-    with console.status("verifying on held-out text ...") as status:
-        report = verify(DEFAULT_MODEL, str(out), seq_len=args.seq_len, max_samples=args.max_samples, greedy_tokens=args.greedy_tokens, progress=status.update)
+    report = verify(DEFAULT_MODEL, str(out), seq_len=args.seq_len, max_samples=args.max_samples, greedy_tokens=args.greedy_tokens)
     verify_tables(report, console)
     return 0
 
@@ -250,12 +253,11 @@ def cmd_verify(args) -> int:
 
     texts = read_texts(args.text) if args.text else None  # default: the embedded held-out text
     device = resolve_device(args.device)
-    with console.status("verifying ...") as status:
-        report = verify(
-            args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
-            seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens, progress=status.update,
-            device=device, stream=not args.whole, runtime=args.runtime,
-        )
+    report = verify(  # progress: halfsafe.progress, per phase
+        args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
+        seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens,
+        device=device, stream=not args.whole, runtime=args.runtime,
+    )
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())
     if args.plot:
@@ -267,7 +269,10 @@ def cmd_verify(args) -> int:
 def cmd_export(args) -> int:
     from .export.onnx import export_onnx
 
-    report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan, runtime=args.runtime)  # warns if not converted
+    from .progress import phase
+
+    with phase("export"):
+        report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan, runtime=args.runtime)  # warns if not converted
     console.print(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
     if report.norm_prescales:
         shifts = [p["shift"] for p in report.norm_prescales.values()]
@@ -303,7 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
-    p.add_argument("--max-shard-size", default="50GB", type=_shard_size, help="largest output weight file, e.g. 5GB (default 50GB, as transformers)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON: halfsafe.json's content and the time each phase took")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
+                   help=f"largest output weight file, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE}, as the hub expects; bigger "
+                        "checkpoints get model-0000N-of-0000M.safetensors and model.safetensors.index.json)")
     _runtime_option(p, "choose the plan (or refuse)")
     _engine_options(p)
     p.set_defaults(func=cmd_convert)
@@ -394,8 +402,11 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
+    from . import progress
+
     try:
         _keep_reports_out_of_inputs(args)
+        progress.show()  # on stderr: a bar on a terminal, a plain line every few seconds in a file or a CI log
         return args.func(args)
     except HalfsafeError as e:
         err_console.print(f"[red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)  # one line
@@ -403,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+    finally:
+        progress.hide()
 
 
 if __name__ == "__main__":

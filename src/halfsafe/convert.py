@@ -22,6 +22,7 @@ from .margin import Margin, check_options, choose_margin
 from .metrics import mean_kl, top1_agreement
 from .plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
 from .precision import in_dtype
+from .progress import phase, recorded
 from .shrink import probe_governed
 from .rewrite import apply_exponents_, trial
 from .runtimes import get_profile
@@ -62,6 +63,7 @@ class ConversionReport:
     notes: list[str] = field(default_factory=list)
     margin: Margin | None = None
     runtime: dict | None = None  # convert --runtime: the profile, its constraints and candidates (runtime_convert)
+    phases: list[dict] = field(default_factory=list)  # convert_checkpoint: {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
 
     @property
     def chosen(self) -> Candidate:
@@ -198,16 +200,21 @@ def plan_fp16_safe(
     return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
     headroom_bits = margin.bits
-    governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
-    constraints = constraints_from(report.sites, governed, groups, weights(model))
+    with phase("probe", quiet=not progress):
+        governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
+    with phase("plan", quiet=not progress):
+        constraints = constraints_from(report.sites, governed, groups, weights(model))
     eval_ids = _eval_ids(samples)
-    ref = forward_logits(model, eval_ids).float()
+    with phase("reference", model, quiet=not progress):
+        ref = forward_logits(model, eval_ids).float()
     reference = solve(groups, constraints, headroom_bits)
     tried, runtime_info = [], None
     if profile.is_torch:
         for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
             kept, left = keeps_margin(constraints, e, reference, headroom_bits)
-            c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
+            name = f"candidate residual 2^{e['residual']}" if "residual" in e else "candidate"
+            with phase(name, model, quiet=not progress or not kept):  # an fp16 copy made inside is counted too
+                c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
             c.headroom_bits, c.keeps_margin = left, kept
             tried.append(c)
         chosen = choose_candidate(tried)
@@ -272,10 +279,14 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
     if samples is None:
         samples = default_samples(model, tokenizer)
     report = plan_fp16_safe(model, samples, **options)
+    quiet = not options.get("progress", True)
     eval_ids = _eval_ids(samples)
-    ref = forward_logits(model, eval_ids).float()
-    report.storage = apply_measured_(model, report.plan)
-    report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
+    with phase("check before", model, quiet=quiet):
+        ref = forward_logits(model, eval_ids).float()
+    with phase("apply", quiet=quiet):
+        report.storage = apply_measured_(model, report.plan)
+    with phase("check after", model, quiet=quiet):
+        report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return report
 
 
@@ -337,6 +348,7 @@ def check_storage(storage: list[dict], fix: str) -> None:
             raise HalfsafeError(f"the plan flushes {row['param']} to zero in float16 ({after['fp16_rel_error']:.0%} of it lost): {fix}")
 
 
+@recorded  # report.phases: the time each phase took, for the --json report; halfsafe.json holds no timings
 def convert_checkpoint(
     source: str,
     out: str,
@@ -367,7 +379,8 @@ def convert_checkpoint(
     max_shard_size = shard_size(max_shard_size)
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
-    loaded = load_model(source, stream=stream, device=resolve_device(device))
+    with phase("load", quiet=not progress):
+        loaded = load_model(source, stream=stream, device=resolve_device(device))
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
     check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])  # and a disk too small
     vocab = loaded.model.config.get_text_config().vocab_size

@@ -6,13 +6,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from rich.progress import Progress
 from transformers import PreTrainedModel
 
 from .formats import FP16_MAX
 from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
 from .precision import in_dtype
+from .progress import phase
 from .sites import Site, block_of, headroom_bits
 from .stats import ActivationCollector, SiteStats
 
@@ -81,15 +81,13 @@ class ScanReport:
 
 
 @torch.no_grad()
-def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "Scanning",
+def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "scan",
             also=nullcontext()) -> dict[str, SiteStats]:
     """Activation statistics of `model` over `samples`, merged across samples (`also`: another collector, entered
     for the same passes)."""
-    with ActivationCollector(model) as collector, also, Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task(label, total=len(samples))
+    with ActivationCollector(model) as collector, also, phase(label, model, passes=len(samples), quiet=not progress):
         for ids in samples:
             run_for_stats(model, ids)
-            bar.advance(task)
     return collector.sites
 
 
@@ -143,6 +141,7 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
         runtime=extra.scan if extra is not None else None,
     )
     if fp16_check:
-        report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples)
+        with phase("fp16 check", model, passes=min(len(samples), 2), quiet=not progress):
+            report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples)
         report.fp16_checked = True
     return report

@@ -14,14 +14,18 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from rich.progress import Progress
+from transformers.core_model_loading import dot_natural_key
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import HalfsafeError
+from ..progress import phase
 from .shards import row_spans
 from .streamed import Streamed, saved_name
 
-DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers' save_pretrained default
+# the shard size the hub's own serializer defaults to (huggingface_hub.serialization's MAX_SHARD_SIZE, "5GB");
+# transformers 5's save_pretrained and push_to_hub default to 50GB per file, more than the hub and most tools expect.
+# A checkpoint under 5 GB is one model.safetensors either way.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 _NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # safetensors orders a file's tensors by dtype (its enum, largest first), then by name
@@ -56,7 +60,8 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     names of weights that came out non-finite (none, for a valid plan)."""
     model_layout = output_tensors(streamed, dtype)
     stored = saved_names(streamed, model_layout)
-    layout = {stored[n]: t for n, t in model_layout.items()}
+    # in the order save_pretrained splits a loaded model's tensors into shards (revert_weight_conversion sorts them)
+    layout = {stored[n]: model_layout[n] for n in sorted(model_layout, key=dot_natural_key)}
     name_of = {v: k for k, v in stored.items()}
     split = split_torch_state_dict_into_shards(layout, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     params = dict(streamed.model.named_parameters())
@@ -66,16 +71,16 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     streamed.dtype, streamed.device = torch.float32, torch.device("cpu")  # rescale in float32, then cast: as .half() would
     streamed._cache.clear()
     try:
-        with Progress(transient=True, disable=not progress) as bar:
-            task = bar.add_task("Writing float16 weights", total=len(layout))
+        with phase("write", total=len(layout), unit="tensors", quiet=not progress) as bar:
             for filename, names in split.filename_to_tensors.items():
                 _write_file(folder / filename, {n: layout[n] for n in names}, lambda n: _value(streamed, params, buffers, name_of[n], dtype, bad),
-                            lambda: bar.advance(task))
+                            bar.advance)
     finally:
         streamed.dtype, streamed.device = saved
         streamed._cache.clear()
     if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        index = {"metadata": {"total_parameters": streamed.model.num_parameters(), **split.metadata},
+                 "weight_map": split.tensor_to_filename}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return bad
 

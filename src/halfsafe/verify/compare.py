@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from ..errors import HalfsafeError
 from ..layers import find_blocks
 from ..precision import cast_copy
+from ..progress import phase, recorded
 from .converted import check_converted, load_converted
 from .report import VariantResult, VerifyReport, environment
 from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
@@ -31,6 +32,7 @@ from .runner import Runner, prepare_inputs
 from .variants import ALL_VARIANTS, FP16, HALFSAFE, REFERENCE, VARIANTS, Variant, under_runtime
 
 
+@recorded  # report.phases: the time each phase took
 def verify(
     model: str | Path | PreTrainedModel,
     converted: str | Path | PreTrainedModel | None = None,
@@ -72,7 +74,8 @@ def verify(
         if device is not None:
             original.to(resolve_device(device) if isinstance(device, str) else device)
     else:
-        loaded = load_model(model, torch.float32, stream=stream, device=resolve_device(device or "cpu"))
+        with phase("load"):
+            loaded = load_model(model, torch.float32, stream=stream, device=resolve_device(device or "cpu"))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
@@ -181,7 +184,9 @@ def _built(original: PreTrainedModel, converted, from_converted: bool, dtype: to
     if isinstance(converted, nn.Module):
         yield converted if next(converted.parameters()).dtype == dtype else cast_copy(converted, dtype).eval()
         return
-    yield load_converted(converted, original, stream=stream, device=device)
+    with phase("load converted"):
+        built = load_converted(converted, original, stream=stream, device=device)
+    yield built
 
 
 def _run_patched(runner: Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:

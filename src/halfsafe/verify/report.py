@@ -111,6 +111,7 @@ class VerifyReport:
     skipped: dict[str, str] = field(default_factory=dict)  # variant -> why
     environment: dict = field(default_factory=dict)
     runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
+    phases: list[dict] = field(default_factory=list)  # {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:
@@ -134,6 +135,7 @@ class VerifyReport:
             "skipped": self.skipped,
             "environment": self.environment,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
+            "phases": self.phases,
         }
 
 

@@ -19,6 +19,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..engine.streamed import compute_device
 from ..forward import is_encoder_decoder
 from ..forward import logits as forward_logits
+from ..progress import phase
 from .accumulator import Accumulator, matched_prefix
 from .block_peaks import BlockPeaks
 from .memory import parameter_bytes, peak_memory
@@ -51,30 +52,38 @@ def predicts_tokens(model: PreTrainedModel) -> bool:
 
 
 @torch.no_grad()
-def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, cache_bytes: int = 0) -> list[int]:
+def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, cache_bytes: int = 0, use_cache: bool = True,
+           logits: list | None = None) -> list[int]:
     """`n` greedily generated token ids after `prompt` ([1, len]); for encoder-decoder models the prompt is the
     encoder input and the decoder starts from its start token. End-of-sequence is suppressed so that every
-    variant generates exactly `n` tokens. A streamed model (halfsafe.engine) runs one forward per token: it holds
+    variant generates exactly `n` tokens. The model's own KV cache (transformers' DynamicCache, with the sliding and
+    hybrid layers its config asks for) keeps the prompt's keys and values: each token after the first runs the model
+    on that one token (an encoder-decoder's encoder runs once). A streamed model (halfsafe.engine) runs one forward per token: it holds
     its embeddings and head throughout and keeps up to `cache_bytes` of its blocks' weights loaded between tokens
-    (`resident`); the blocks that do not fit are read again for every token."""
+    (`resident`); the blocks that do not fit are read again for every token. `use_cache=False` (tests: the same
+    generation without a cache) runs the whole sequence for every token; `logits`, given a list, receives each step's."""
     from ..engine.streamed import resident, stem_held
 
     with stem_held(model), resident(model, cache_bytes):
-        return _greedy(model, prompt, n)
+        return _greedy(model, prompt, n, use_cache, logits)
 
 
-def _greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int) -> list[int]:
+def _greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, use_cache: bool, logits: list | None) -> list[int]:
     prompt = prompt.to(compute_device(model))
     gen = GenerationConfig(
         do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=n,
+        use_cache=use_cache,  # the model's own cache (sliding and hybrid layers too), whatever its saved configs say
+        return_dict_in_generate=True, output_logits=logits is not None,
         eos_token_id=model.generation_config.eos_token_id,
         pad_token_id=getattr(model.config, "pad_token_id", model.config.get_text_config().pad_token_id),  # multimodal: text config
         bos_token_id=model.generation_config.bos_token_id,
         decoder_start_token_id=getattr(model.generation_config, "decoder_start_token_id", None),
     )
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
+    if logits is not None:
+        logits.extend(step[0].float().cpu() for step in out.logits)
     start = 1 if is_encoder_decoder(model) else prompt.shape[1]
-    return out[0, start:].tolist()
+    return out.sequences[0, start:].tolist()
 
 
 class ReferenceCache:
@@ -145,31 +154,34 @@ class Runner:
         try:
             for t, text_samples in enumerate(self.inputs.samples):
                 acc = Accumulator(lm, self.collapse)
-                for s, ids in enumerate(text_samples):
-                    self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
+                text = "" if len(self.inputs.samples) == 1 else f", text {t + 1}"
+                with phase(f"{variant.name}{text}", model, passes=len(text_samples)):
+                    for s, ids in enumerate(text_samples):
+                        self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
 
-                    def forward(ids=ids):
-                        return forward_logits(model, ids)
+                        def forward(ids=ids):
+                            return forward_logits(model, ids)
 
-                    start = time.perf_counter()
-                    if t == 0 and s == 0:
-                        out, peak_act, method = peak_memory(forward, device)
-                    else:
-                        out = forward()
-                    seconds += time.perf_counter() - start
-                    tokens += ids.numel()
-                    out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
-                    logit_bytes = max(logit_bytes, out.numel() * 4)
-                    if reference:
-                        self.refs.save(t, s, out)
-                    ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
-                    acc.add(ref, out, ids, encdec)
-                    del out, ref
+                        start = time.perf_counter()
+                        if t == 0 and s == 0:
+                            out, peak_act, method = peak_memory(forward, device)
+                        else:
+                            out = forward()
+                        seconds += time.perf_counter() - start
+                        tokens += ids.numel()
+                        out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
+                        logit_bytes = max(logit_bytes, out.numel() * 4)
+                        if reference:
+                            self.refs.save(t, s, out)
+                        ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
+                        acc.add(ref, out, ids, encdec)
+                        del out, ref
                 if self.greedy_tokens > 0 and model.can_generate():
                     self.progress(f"{variant.name}: greedy generation, text {t + 1}")
                     # blocks stay loaded between tokens up to the bytes one sample's float32 logits took above:
                     # generation then needs no more memory than the forward passes did
-                    toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
+                    with phase(f"{variant.name} greedy{text}", model, passes=self.greedy_tokens, unit="tokens"):
+                        toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
                     greedy_all.append(toks)
                     ref_toks = toks if reference else self.refs.greedy[t]
                     acc.add_greedy(matched_prefix(ref_toks, toks), len(ref_toks))
