@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from rich.progress import Progress
 from transformers import PreTrainedModel
 
+from .engine.pipeline import in_step
+from .engine.streamed import streamed_of
 from .formats import FP16_MAX
 from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
@@ -84,12 +87,17 @@ class ScanReport:
 def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "Scanning",
             also=nullcontext()) -> dict[str, SiteStats]:
     """Activation statistics of `model` over `samples`, merged across samples (`also`: another collector, entered
-    for the same passes)."""
+    for the same passes). The samples run in step (engine.pipeline): a streamed model's units are read once for all;
+    not under `also` (a runtime profile's collector measures the first calls of each linear: the order counts)."""
     with ActivationCollector(model) as collector, also, Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(label, total=len(samples))
-        for ids in samples:
-            run_for_stats(model, ids)
-            bar.advance(task)
+        runs = [partial(run_for_stats, model, ids) for ids in samples]
+        if isinstance(also, nullcontext):
+            in_step(model, runs, then=lambda i, _: bar.advance(task))
+        else:
+            for run in runs:
+                run()
+                bar.advance(task)
     return collector.sites
 
 
@@ -116,11 +124,18 @@ def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor])
     """Run an fp16 copy of `model` on a short prefix of the samples; the first module whose output is
     inf/NaN, or None."""
     with in_dtype(model, torch.float16) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
-        for ids in samples[:2]:
-            half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
-            if collector.first_nonfinite:
-                break
+        if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
+            in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]])
+        else:
+            for ids in samples[:2]:
+                _fp16_forward(half, ids)
+                if collector.first_nonfinite:
+                    break
     return collector.first_nonfinite
+
+
+def _fp16_forward(half: PreTrainedModel, ids) -> None:
+    half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
 
 
 def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "",

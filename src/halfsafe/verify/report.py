@@ -111,6 +111,7 @@ class VerifyReport:
     skipped: dict[str, str] = field(default_factory=dict)  # variant -> why
     environment: dict = field(default_factory=dict)
     runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
+    checkpoint_reads: dict = field(default_factory=dict)  # passes over the checkpoints per phase (engine.reads)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:
@@ -134,6 +135,7 @@ class VerifyReport:
             "skipped": self.skipped,
             "environment": self.environment,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
+            **({"checkpoint_reads": self.checkpoint_reads} if self.checkpoint_reads else {}),
         }
 
 
