@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from greenlet import GreenletExit, greenlet
+from greenlet import greenlet
 from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Gate:
         _lane = i
         try:
             if throw:
-                what = lanes[i].throw(GreenletExit)
+                what = lanes[i].throw(_Stopped)
             elif i in self._started:
                 what = lanes[i].switch(value)
             else:
@@ -187,6 +187,11 @@ class Gate:
         for m in s.dispatch:
             _push_mode(m)
         s.dispatch, s.function = [], []
+
+
+class _Stopped(Exception):
+    """Thrown into the runs still waiting when the pass fails: an Exception (not GreenletExit), so that torch runs the
+    hooks it always calls as a module's forward fails, and every unit they entered is left as a failed forward leaves it."""
 
 
 def _describe(what: tuple) -> str:
