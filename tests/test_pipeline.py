@@ -180,3 +180,60 @@ def test_reads_count_passes_per_phase(tmp_path):
         logits(model, ids)
     assert reads.to_dict() == {"one": 2.0, "two": 2.0, "total": 4.0}
     assert not Reads(), "nothing counted: empty"
+
+
+# ----- convert: the reads it makes, and the work it skips
+
+
+def test_exponents_that_make_the_same_model_share_a_key(tmp_path):
+    from halfsafe.families import family_for
+    from halfsafe.groups import expand
+    from halfsafe.rewrite import model_key
+
+    model = _streamed("llama", tmp_path)
+    groups = expand(family_for("llama"), model)
+    names = [g.name for g in groups]
+    assert "residual" in names and len(names) > 1
+    other = next(n for n in names if n != "residual")
+    assert model_key(groups, {"residual": -3}) == model_key(groups, {"residual": -3, other: 0}) == \
+        model_key(groups, {other: 0, "residual": -3})
+    assert model_key(groups, {"residual": -3}) != model_key(groups, {"residual": -4})
+    assert model_key(groups, {"residual": -3}) != model_key(groups, {"residual": -3, other: -1})
+    assert model_key(groups, {}) == model_key(groups, {"residual": 0})
+
+
+def test_convert_reads_the_checkpoint_once_per_pass_and_reports_it(tmp_path, monkeypatch):
+    """4 samples scanned in one read; the fp32 reference made once (planning's is reused for the fp32 check); a
+    candidate that makes the same model as one already run (here the solver's plan again, with an explicit zero)
+    takes its measurement without another fp16 pass. The same bytes as one sample at a time."""
+    import json
+
+    import halfsafe.convert as convert
+
+    usual = convert.candidate_exponents
+    extra = []
+
+    def with_a_twin(*args, **kwargs):
+        out = usual(*args, **kwargs)
+        twin = {**out[0], "o_proj_never": 0}
+        extra.append(twin)
+        return [out[0], twin, *out[1:]]
+
+    monkeypatch.setattr(convert, "candidate_exponents", with_a_twin)
+    save_tiny("llama", tmp_path / "src")
+    args = dict(seq_len=24, max_samples=4, progress=False)
+    report = convert.convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "out"), **args)
+    reads = report.to_dict()["checkpoint_reads"]
+    kept = [c for c in report.candidates if c.keeps_margin]
+    twin = next(c for c in report.candidates if c.exponents == extra[0])
+    first = report.candidates[report.candidates.index(twin) - 1]
+    assert (twin.kl, twin.top1, twin.finite) == (first.kl, first.top1, first.finite)
+    assert reads["scan"] == 1.0 and reads["reference"] == 1.0 and reads["write"] == 1.0
+    assert reads["candidates"] == len(kept) - 1, "the twin ran no pass of its own"
+    assert 1.0 <= reads["apply"] < 2.0, "the fp32 check's one forward (and the touched tensors' storage errors)"
+    assert reads["total"] == pytest.approx(sum(v for k, v in reads.items() if k != "total"), abs=0.02)
+    assert json.loads((tmp_path / "out/halfsafe.json").read_text())["checkpoint_reads"] == reads
+    with apart():
+        convert.convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "apart"), **args)
+    assert (tmp_path / "out/model.safetensors").read_bytes() == (tmp_path / "apart/model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "apart/halfsafe.json").read_text())["checkpoint_reads"]["scan"] == 4.0

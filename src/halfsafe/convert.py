@@ -299,9 +299,9 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
         samples = default_samples(model, tokenizer)
     report = plan_fp16_safe(model, samples, **options)
     eval_ids = _eval_ids(samples)
-    # the fp32 logits on eval_ids of the model as it was: planning measured them and left the model as it was
-    ref, report.reference_logits = report.reference_logits, None
     with report.reads.phase(model, "apply"):
+        # the fp32 logits on eval_ids of the model as it was: planning measured them and left the model as it was
+        ref, report.reference_logits = report.reference_logits, None
         report.storage = apply_measured_(model, report.plan)
         report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return report
