@@ -1,9 +1,11 @@
 """Several forwards of one streamed model in step, so that each unit is read once for all of them.
 
 `in_step(model, runs)` runs each of `runs` (one sample's forward) as a coroutine (a greenlet, on this thread). A run
-that reaches a block's pre-hook, or asks for a slice of a wide weight, waits there; when every run still going waits
-on the same thing, it is read once, and the runs go on one after another, in order, each to its next wait. A block is
-freed when the last run has left it; the stem (embeddings, norms, head) is held for the whole pass. Each run computes
+that reaches a block's pre-hook waits there; when every run still going waits at the same block, it is read once, and
+the runs go on one after another, in order, each to its next block. A block is freed when the last run has left it;
+the stem (embeddings, norms, head) is held for the whole pass. Runs wait only between blocks, where what each holds is
+its hidden state: a wide weight (engine.wide) is read a slice at a time by each run, as alone, since runs waiting
+inside a product would each hold its output (8 x 512 x 18944 floats at 7B). Each run computes
 exactly what it computes alone, the same ops on the same tensors; only what happens between runs is interleaved:
   - per-run torch state: grad mode and the dispatch and function modes a run enters for itself (verify's
     activation-bytes counter) are put aside when it waits and given back when it goes on;
@@ -67,8 +69,8 @@ class Gate:
 
     # ----- called by the Streamed, in a run
     def wait(self, what: tuple):
-        """Wait for `what` with the others; returns what the pass did for it (True: the unit is loaded; a tensor: the
-        slice), or None when this run must do it itself (outside a run, or the runs no longer go together)."""
+        """Wait for `what` (("unit", name)) with the others; True once the pass has loaded it, None when this run must
+        load it itself (outside a run, or the runs no longer go together)."""
         if not self.together or greenlet.getcurrent() is self.parent:
             return None
         return self.parent.switch(what)
@@ -100,38 +102,42 @@ class Gate:
             except BaseException as e:  # noqa: BLE001  (raised again by the pass, after the others are stopped)
                 errors[i] = e
 
+        def go(i: int, answer) -> None:
+            """Resume run i; then hand on, in order, every result that is ready (before the next run makes its own:
+            one sample's output alive at a time, as alone)."""
+            nonlocal consumed
+            self._resume(lanes, i, answer, waits, done)
+            if errors:
+                raise errors[min(errors)]
+            while consumed < n and done[consumed]:
+                if then is not None:
+                    then(consumed, results[consumed])
+                    results[consumed] = None
+                consumed += 1
+
         lanes = [greenlet(lambda i=i: body(i), parent=self.parent) for i in range(n)]
         waits: dict[int, tuple] = {}
         self._started: set[int] = set()
         with stem_held(self.streamed.model):
             try:
                 for i in range(n):
-                    self._resume(lanes, i, None, waits, done)
+                    go(i, None)
                 while True:
-                    if errors:
-                        raise errors[min(errors)]
-                    while consumed < n and done[consumed]:  # results handed on in order, as soon as each is ready
-                        if then is not None:
-                            then(consumed, results[consumed])
-                            results[consumed] = None
-                        consumed += 1
                     live = [i for i in range(n) if not done[i]]
                     if not live:
                         break
                     wanted = {waits[i] for i in live}
                     if self.together and len(wanted) == 1:
-                        what = wanted.pop()
-                        answer = self._serve(what, live)
+                        answer = self._serve(wanted.pop(), live)
                         for i in live:
-                            self._resume(lanes, i, answer, waits, done)
-                        del answer
+                            go(i, answer)
                         continue
                     if self.together:
                         log.warning("the samples took different paths through the model (%s); running the rest of them one "
                                     "at a time", " vs ".join(_describe(w) for w in sorted(wanted, key=str)[:2]))
                         self.together = False
                     i = live[0]  # alone, to its end: its later waits return at once
-                    self._resume(lanes, i, self._serve(waits[i], [i]), waits, done)
+                    go(i, self._serve(waits[i], [i]))
             finally:
                 self.together = False  # what a run still does as it is stopped, it does alone
                 for i in sorted(self._started):
@@ -143,12 +149,10 @@ class Gate:
         return results
 
     def _serve(self, what: tuple, lanes: list[int]):
-        kind, name = what[0], what[1]
-        if kind == "unit":
-            self.streamed._onload(name)
-            self.inside[name] = set(lanes)
-            return True
-        return self.streamed._read_rows(name, *what[2:])
+        name = what[1]  # ("unit", name)
+        self.streamed._onload(name)
+        self.inside[name] = set(lanes)
+        return True
 
     def _resume(self, lanes, i: int, value, waits: dict, done: list, throw: bool = False) -> None:
         global _lane
@@ -195,7 +199,7 @@ class _Stopped(Exception):
 
 
 def _describe(what: tuple) -> str:
-    return what[1] if what[0] == "unit" else f"rows {what[2]}:{what[3]} of {what[1]}"
+    return what[1]
 
 
 def in_step(model, runs: list[Callable], then: Callable | None = None) -> list:

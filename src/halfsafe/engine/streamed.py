@@ -5,7 +5,8 @@ computes); every *unit* (each repeated block, and each module outside the blocks
 final norm, head, a vision tower's patch embedding) gets a pre-hook that loads its parameters from the shards, in
 `dtype` on `device`, rescaled as the current rescale table says, and a hook that frees them again. The model's own
 forward then runs unchanged, for every architecture, holding one unit's weights (plus whatever `cache_bytes`
-allows to stay) and the activations of one sample.
+allows to stay) and the activations of one sample. Several samples can pass each unit together, so that it is read
+once for all of them (`engine.pipeline.in_step`: the calibration scan, verify's forward passes).
 
 A rescale (`halfsafe.rewrite`) changes what the next load computes, never the stored tensors: `(1+w)` gains are
 computed afresh from the stored values each time, so trying and undoing a plan leaves nothing behind.
@@ -80,15 +81,8 @@ class Streamed:
         return t
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of what `tensor(name)` computes with (a wide weight's values, a slice at a time); read
-        once for all the forwards of an `in_step` pass."""
-        if self._gate is not None:
-            t = self._gate.wait(("rows", name, start, stop))
-            if t is not None:
-                return t
-        return self._read_rows(name, start, stop)
-
-    def _read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of what `tensor(name)` computes with (a wide weight's values, a slice at a time). Each
+        forward of an `in_step` pass reads its own: forwards waiting inside a product would each hold its output."""
         self.loads += 1
         return self._prepared(name, lambda dtype: self.shards.load_rows(self.key_of[name], start, stop, dtype))
 
