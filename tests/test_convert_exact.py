@@ -23,6 +23,7 @@ from halfsafe.convert import (
 )
 from halfsafe.checkpoint import shard_size
 from halfsafe.loading import input_paths
+from halfsafe.engine.reads import Reads
 from halfsafe.engine.write import DEFAULT_MAX_SHARD_SIZE
 from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import family_for
@@ -381,11 +382,13 @@ def recorded(monkeypatch):
     calls = []
     loaded = SimpleNamespace(model=SimpleNamespace(config=_Config()), tokenizer="TOK", folder=Path("/the/source"))
     loaded.set_tokenizer_aside = lambda: (lambda: "TOK again")  # the tokenizer is dropped, and given back to save
-    report = SimpleNamespace(to_dict=lambda: {"plan": "P", "peak_before": 1.0}, storage=[])
+    report = SimpleNamespace(to_dict=lambda: {"plan": "P", "peak_before": 1.0}, storage=[], reads=Reads())
     sample = torch.zeros(1, 4, dtype=torch.long)
 
     def record(name, result=None):
         def f(*args, **kwargs):
+            if name == "save":  # its info is made once the weights are written
+                args = tuple(a() if callable(a) else a for a in args)
             calls.append((name, args, kwargs))
             return result() if callable(result) else result
         return f

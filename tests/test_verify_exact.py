@@ -19,6 +19,7 @@ from torch import nn
 import halfsafe
 import halfsafe.plots
 from halfsafe.baselines import clamp_residual_adds
+from halfsafe.engine.reads import Reads
 from halfsafe.engine.streamed import compute_device, streamed_of
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime import RuntimeHandle, keep_residual_fp32
@@ -571,6 +572,7 @@ def wired(monkeypatch):
         def __init__(self, inputs, blocks, greedy_tokens, ref_dir, progress):
             calls.append(("runner", inputs.names, blocks, greedy_tokens, ref_dir.exists(), ref_dir.name[:16], progress("x")))
             state["ref_dir"] = ref_dir
+            self.reads = Reads()  # nothing read: the report says nothing of reads
 
         def run_reference(self, model, variant):
             calls.append(("reference", model, variant.name, state["fp16_reductions"]))

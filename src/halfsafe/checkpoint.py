@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -247,7 +248,7 @@ def _check_weights(model: PreTrainedModel) -> None:
 
 
 def save_fp16_checkpoint(
-    model: PreTrainedModel, tokenizer, out: str | Path, info: dict, source_folder: Path | None = None, overwrite: bool = False,
+    model: PreTrainedModel, tokenizer, out: str | Path, info: dict | Callable[[], dict], source_folder: Path | None = None, overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False,
 ) -> Path:
     """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `info` as halfsafe.json and a
@@ -263,7 +264,7 @@ def save_fp16_checkpoint(
                     _check_weights(half)
                     half.save_pretrained(tmp, max_shard_size=max_shard_size)
                     del half
-            _write_extras(tokenizer, tmp, info, source_folder)
+            _write_extras(tokenizer, tmp, info() if callable(info) else info, source_folder)  # a callable: made now, after the weights
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "

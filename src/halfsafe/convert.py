@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 
 from .calibration import default_text, make_samples
 from .engine.device import resolve_device, return_freed_memory
+from .engine.reads import Reads
 from .engine.streamed import value_blocks, weights
 from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
@@ -24,7 +25,7 @@ from .plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_fro
 from .precision import in_dtype
 from .progress import phase, recorded
 from .shrink import probe_governed
-from .rewrite import apply_exponents_, trial
+from .rewrite import apply_exponents_, model_key, trial
 from .runtimes import get_profile
 from .scan import ScanReport, scan
 from .sites import Site
@@ -64,6 +65,8 @@ class ConversionReport:
     margin: Margin | None = None
     runtime: dict | None = None  # convert --runtime: the profile, its constraints and candidates (runtime_convert)
     phases: list[dict] = field(default_factory=list)  # convert_checkpoint: {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
+    reads: Reads = field(default_factory=Reads)  # passes over a streamed model's checkpoint per phase
+    reference_logits: torch.Tensor | None = field(default=None, repr=False)  # fp32, on the evaluation prefix (reused)
 
     @property
     def chosen(self) -> Candidate:
@@ -87,6 +90,7 @@ class ConversionReport:
             "fp16_finite_on_calibration": self.fp16_finite,
             "notes": self.notes,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
+            **({"checkpoint_reads": self.reads.to_dict()} if self.reads else {}),
         }
 
 
@@ -196,31 +200,30 @@ def plan_fp16_safe(
     groups = expand(family, model)
     if samples is None:
         samples = default_samples(model, tokenizer)
-    report = scan_report or scan(model, samples, progress=progress, runtime=profile)
+    reads = Reads()
+    with reads.phase(model, "scan"):
+        report = scan_report or scan(model, samples, progress=progress, runtime=profile)
     return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
     headroom_bits = margin.bits
-    with phase("probe", quiet=not progress):
-        governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
-    with phase("plan", quiet=not progress):
-        constraints = constraints_from(report.sites, governed, groups, weights(model))
+    with reads.phase(model, "plan"):
+        with phase("probe", quiet=not progress):
+            governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
+        with phase("plan", quiet=not progress):
+            constraints = constraints_from(report.sites, governed, groups, weights(model))
     eval_ids = _eval_ids(samples)
-    with phase("reference", model, quiet=not progress):
+    with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):
         ref = forward_logits(model, eval_ids).float()
     reference = solve(groups, constraints, headroom_bits)
     tried, runtime_info = [], None
-    if profile.is_torch:
-        for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
-            kept, left = keeps_margin(constraints, e, reference, headroom_bits)
-            name = f"candidate residual 2^{e['residual']}" if "residual" in e else "candidate"
-            with phase(name, model, quiet=not progress or not kept):  # an fp16 copy made inside is counted too
-                c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
-            c.headroom_bits, c.keeps_margin = left, kept
-            tried.append(c)
-        chosen = choose_candidate(tried)
-    else:
-        chosen, tried, runtime_info = _choose_under(profile, model, family, groups, constraints, reference, headroom_bits,
-                                                    candidates, eval_ids, ref, report, samples, progress)
+    with reads.phase(model, "candidates"):
+        if profile.is_torch:
+            tried = _evaluate_all(model, family, groups, constraints, reference, headroom_bits, candidates, eval_ids, ref,
+                                  progress)
+            chosen = choose_candidate(tried)
+        else:
+            chosen, tried, runtime_info = _choose_under(profile, model, family, groups, constraints, reference, headroom_bits,
+                                                        candidates, eval_ids, ref, report, samples, progress)
     unfixable, tight = _problems(constraints, chosen.exponents, headroom_bits)
     if not chosen.finite and not unfixable and not allow_unfixable:
         # every measured tensor fits, yet fp16 overflows: inside a computation no module hook sees
@@ -248,7 +251,31 @@ def plan_fp16_safe(
         fp16_finite=chosen.finite,
         margin=margin,
         runtime=runtime_info,
+        reads=reads,
+        reference_logits=ref,
     )
+
+
+def _evaluate_all(model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref,
+                  progress: bool = False) -> list[Candidate]:
+    """Every candidate of `candidate_exponents`, those that keep the margin run in fp16; one whose exponents make the
+    same model as one already run (`model_key`) takes that one's measurement instead of running again."""
+    tried, measured = [], {}
+    for e in candidate_exponents(groups, constraints, headroom_bits, n):
+        kept, left = keeps_margin(constraints, e, reference, headroom_bits)
+        if not kept:
+            c = Candidate(dict(e), math.nan, math.nan, False)
+        else:
+            key = model_key(groups, e)
+            if key not in measured:
+                name = f"candidate residual 2^{e['residual']}" if "residual" in e else "candidate"
+                with phase(name, model, quiet=not progress):  # an fp16 copy made inside is counted too
+                    measured[key] = evaluate_candidate(model, family, groups, e, eval_ids, ref)
+            m = measured[key]
+            c = Candidate(dict(e), m.kl, m.top1, m.finite)
+        c.headroom_bits, c.keeps_margin = left, kept
+        tried.append(c)
+    return tried
 
 
 def _choose_under(profile, model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref, report, samples,
@@ -281,12 +308,13 @@ def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = 
     report = plan_fp16_safe(model, samples, **options)
     quiet = not options.get("progress", True)
     eval_ids = _eval_ids(samples)
-    with phase("check before", model, quiet=quiet):
-        ref = forward_logits(model, eval_ids).float()
-    with phase("apply", quiet=quiet):
-        report.storage = apply_measured_(model, report.plan)
-    with phase("check after", model, quiet=quiet):
-        report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
+    with report.reads.phase(model, "apply"):
+        # the fp32 logits on eval_ids of the model as it was: planning measured them and left the model as it was
+        ref, report.reference_logits = report.reference_logits, None
+        with phase("apply", quiet=quiet):
+            report.storage = apply_measured_(model, report.plan)
+        with phase("check after", model, quiet=quiet):
+            report.fp32_output_change = float((forward_logits(model, eval_ids).float() - ref).abs().max() / ref.abs().max())
     return report
 
 
@@ -391,8 +419,9 @@ def convert_checkpoint(
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
                             max_context=max_context, **profiled)
     check_storage(report.storage, "refusing to save (please report this)")
-    save_fp16_checkpoint(loaded.model, tokenizer(), out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
-                         max_shard_size, progress)
+    with report.reads.phase(loaded.model, "write"):  # halfsafe.json, written after the weights, counts their read
+        save_fp16_checkpoint(loaded.model, tokenizer(), out, lambda: {"source": str(source), **report.to_dict()}, loaded.folder,
+                             overwrite, max_shard_size, progress)
     return report
 
 

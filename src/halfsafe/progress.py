@@ -86,7 +86,7 @@ class Phase:
         self.passes_done += 1
         if self.unit != "blocks":
             self.advance()
-        elif self.passes_done == 1 and self.unit == "blocks" and self.done and self.passes > 1:
+        elif self.passes_done == 1 and self.unit == "blocks" and self.done and self.passes > 1 and self.pass_name:
             self.per_pass, self.total = self.done, self.done * self.passes
             self.on_change()
 
@@ -101,7 +101,7 @@ class Phase:
 
     def line(self) -> str:
         parts = [f"{self.done}/{self.total} {self.unit}" if self.total else f"{self.done} {self.unit}" if self.done else None]
-        if self.passes > 1 and self.unit == "blocks":
+        if self.passes > 1 and self.unit == "blocks" and self.pass_name:
             at = min((self.done // self.per_pass if self.per_pass else self.passes_done) + 1, self.passes)
             parts.append(f"{self.pass_name} {at}/{self.passes}")
         parts.append(f"{self.elapsed:.0f} s")
@@ -115,10 +115,12 @@ class Phase:
 
 
 @contextmanager
-def phase(name: str, model=None, passes: int = 1, unit: str = "blocks", total: int | None = None, pass_name: str = "sample",
+def phase(name: str, model=None, passes: int = 1, unit: str = "blocks", total: int | None = None, pass_name: str | None = "sample",
           quiet: bool = False):
     """One slow phase (see the module's doc). `passes`: how many times each block runs in it (samples); `total`:
-    units to expect (default: blocks x passes, or `passes` tokens). `quiet`: count and record, never show."""
+    units to expect (default: blocks x passes, or `passes` tokens). `pass_name` None: the passes run in step
+    (engine.pipeline), so no pass index is shown and the first pass's end says nothing about blocks per pass.
+    `quiet`: count and record, never show."""
     hooks = Hooks()
     if model is not None and unit == "blocks":
         blocks = find_blocks(model)

@@ -36,6 +36,14 @@ def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str
     return {p: [v for v in entries.values() if v[1]] for p, entries in merged.items() if any(v[1] for v in entries.values())}
 
 
+def model_key(groups: list[Group], exponents: dict[str, int]) -> tuple:
+    """What `exponents` do to a model, hashable: exponents with equal keys make the same model bit for bit (the same
+    rescales of the same tensors, in the same order, and the same eps moves)."""
+    table = tuple((p, tuple((kind, e, select_key(select)) for kind, e, select in entries))
+                  for p, entries in tensor_exponents(groups, exponents).items())
+    return table, eps_exponent(groups, exponents), tuple(sorted(scoped_eps_exponents(groups, exponents).items(), key=repr))
+
+
 def select_key(select) -> object:
     """A move's select in a hashable, comparable form (index tensors as tuples)."""
     if select is None:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
 
+from .engine.pipeline import in_step
+from .engine.streamed import streamed_of
 from .formats import FP16_MAX
 from .forward import model_inputs, prefix, run_for_stats
 from .layers import find_blocks
@@ -84,10 +87,17 @@ class ScanReport:
 def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "scan",
             also=nullcontext()) -> dict[str, SiteStats]:
     """Activation statistics of `model` over `samples`, merged across samples (`also`: another collector, entered
-    for the same passes)."""
-    with ActivationCollector(model) as collector, also, phase(label, model, passes=len(samples), quiet=not progress):
-        for ids in samples:
-            run_for_stats(model, ids)
+    for the same passes). The samples run in step (engine.pipeline): a streamed model's units are read once for all;
+    not under `also` (a runtime profile's collector measures the first calls of each linear: the order counts)."""
+    together = isinstance(also, nullcontext)
+    with ActivationCollector(model) as collector, also, phase(label, model, passes=len(samples), quiet=not progress,
+                                                             pass_name=None if together else "sample"):
+        runs = [partial(run_for_stats, model, ids) for ids in samples]
+        if together:
+            in_step(model, runs)
+        else:
+            for run in runs:
+                run()
     return collector.sites
 
 
@@ -114,11 +124,18 @@ def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor])
     """Run an fp16 copy of `model` on a short prefix of the samples; the first module whose output is
     inf/NaN, or None."""
     with in_dtype(model, torch.float16) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
-        for ids in samples[:2]:
-            half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
-            if collector.first_nonfinite:
-                break
+        if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
+            in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]])
+        else:
+            for ids in samples[:2]:
+                _fp16_forward(half, ids)
+                if collector.first_nonfinite:
+                    break
     return collector.first_nonfinite
+
+
+def _fp16_forward(half: PreTrainedModel, ids) -> None:
+    half(**model_inputs(half, prefix(ids, FP16_CHECK_TOKENS)), use_cache=False)
 
 
 def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "",

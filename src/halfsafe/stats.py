@@ -129,7 +129,8 @@ class ActivationCollector:
     (`c.first_nonfinite`), which is how the fp16 check names where a model breaks.
     A module called again inside one run of the module around it records each call as its own site
     ("name:out@2", see `sites`); calls made from outside every hooked module (the LM head run on chunks of
-    positions) are one site.
+    positions) are one site. Forwards run in step (engine.pipeline) keep their own stack of running modules and
+    first non-finite site, and `sites` ends in the order one forward after another gives.
     """
 
     model: nn.Module
@@ -138,7 +139,17 @@ class ActivationCollector:
     sites: dict[str, SiteStats] = field(default_factory=dict)
     first_nonfinite: str | None = None
     _handles: Hooks = field(default_factory=Hooks)
-    _running: list = field(default_factory=list)  # one [name, calls inside it, its own call] frame per module now running, outermost first
+    # per forward (engine.pipeline.lane(): None outside a pass), one [name, calls inside it, its own call] frame per
+    # module now running, outermost first
+    _stacks: dict = field(default_factory=dict)
+    _order: dict = field(default_factory=dict)  # per forward, its sites in the order it first recorded them
+    _nonfinite: dict = field(default_factory=dict)  # per forward, its first non-finite site
+
+    @property
+    def _running(self) -> list:
+        from .engine.pipeline import lane
+
+        return self._stacks.setdefault(lane(), [])
 
     def __enter__(self) -> "ActivationCollector":
         try:
@@ -154,16 +165,23 @@ class ActivationCollector:
 
     def __exit__(self, *exc) -> None:
         self._handles.remove()
-        self._running.clear()
+        self._stacks.clear()
+        if len(self._order) > 1:  # forwards in step: each one's sites in turn, as when they run one after another
+            order = dict.fromkeys(s for k in sorted(self._order, key=_lane_order) for s in self._order[k])
+            self.sites = {s: self.sites[s] for s in order}
 
     def _record(self, site: str, module: nn.Module, value) -> None:
+        from .engine.pipeline import lane
+
         t = first_tensor(value)
         if t is None:
             return
         if self.stop_at_nonfinite:
-            if self.first_nonfinite is None and Site.parse(site).kind == "out" and not torch.isfinite(t).all():
-                self.first_nonfinite = site
+            if lane() not in self._nonfinite and Site.parse(site).kind == "out" and not torch.isfinite(t).all():
+                self._nonfinite[lane()] = site
+                self.first_nonfinite = self._nonfinite[min(self._nonfinite, key=_lane_order)]
             return
+        self._order.setdefault(lane(), {})[site] = None
         stats = self.sites.get(site)
         if stats is None:
             stats = self.sites[site] = SiteStats(site, type(module).__name__, track_columns=self.columns)
@@ -204,6 +222,10 @@ class ActivationCollector:
                         self._record(str(Site.of_expert(name, e, part).at_call(call)), module, t)
 
         return hook
+
+
+def _lane_order(lane: int | None) -> int:
+    return -1 if lane is None else lane
 
 
 def is_fused_experts(module: nn.Module) -> bool:

@@ -51,6 +51,10 @@ class Shards:
                                 "the checkpoint is incomplete; re-download it")
         self._open: dict[str, object] = {}
         self._stack: ExitStack | None = None
+        self.bytes_read = 0  # bytes of stored tensors read so far, as stored (engine.reads turns them into passes)
+
+    def stored_bytes(self, key: str) -> int:
+        return math.prod(self.shape(key)) * self.dtype(key).itemsize
 
     def keys(self) -> list[str]:
         return list(self._meta)
@@ -92,6 +96,7 @@ class Shards:
             for a, b in row_spans(shape[0], rows_per_read(shape, stored.itemsize)):
                 out[a:b] = self.load_rows(key, a, b, out.dtype)
             return out
+        self.bytes_read += math.prod(shape) * stored.itemsize
         if self._stack is not None:
             f = self._open.get(name)
             if f is None:
@@ -103,6 +108,8 @@ class Shards:
     def load_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows [start, stop) of the stored tensor, as `load` gives the whole. The file is opened for this read
         alone: only these rows' pages are ever mapped."""
+        shape = self.shape(key)
+        self.bytes_read += (min(stop, shape[0]) - min(start, shape[0])) * math.prod(shape[1:]) * self.dtype(key).itemsize
         with safe_open(self._paths[self.file_of[key]], "pt") as f:
             return _owned(f.get_slice(key)[start:stop], dtype)
 
@@ -114,6 +121,7 @@ class Shards:
             if i == len(rows) or rows[i] != rows[i - 1] + 1:
                 runs.append((rows[start], rows[i - 1] + 1))
                 start = i
+        self.bytes_read += sum(b - a for a, b in runs) * math.prod(self.shape(key)[1:]) * self.dtype(key).itemsize
         with safe_open(self._paths[self.file_of[key]], "pt") as f:
             s = f.get_slice(key)
             parts = [_owned(s[a:b], dtype) for a, b in runs]

@@ -5,7 +5,8 @@ computes); every *unit* (each repeated block, and each module outside the blocks
 final norm, head, a vision tower's patch embedding) gets a pre-hook that loads its parameters from the shards, in
 `dtype` on `device`, rescaled as the current rescale table says, and a hook that frees them again. The model's own
 forward then runs unchanged, for every architecture, holding one unit's weights (plus whatever `cache_bytes`
-allows to stay) and the activations of one sample.
+allows to stay) and the activations of one sample. Several samples can pass each unit together, so that it is read
+once for all of them (`engine.pipeline.in_step`: the calibration scan, verify's forward passes).
 
 A rescale (`halfsafe.rewrite`) changes what the next load computes, never the stored tensors: `(1+w)` gains are
 computed afresh from the stored values each time, so trying and undoing a plan leaves nothing behind.
@@ -60,6 +61,7 @@ class Streamed:
     stem: list[str] = field(default_factory=list)  # units outside the blocks, held for a whole forward (see attach)
     _depth: int = 0
     _loaded: set = field(default_factory=set)  # units whose weights are in their modules now
+    _gate: object = None  # an in_step pass's (engine.pipeline.Gate) while one runs
 
     # ----- what a unit sees
     def tensor(self, name: str) -> torch.Tensor:
@@ -79,7 +81,8 @@ class Streamed:
         return t
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of what `tensor(name)` computes with (a wide weight's values, a slice at a time)."""
+        """Rows [start, stop) of what `tensor(name)` computes with (a wide weight's values, a slice at a time). Each
+        forward of an `in_step` pass reads its own: forwards waiting inside a product would each hold its output."""
         self.loads += 1
         return self._prepared(name, lambda dtype: self.shards.load_rows(self.key_of[name], start, stop, dtype))
 
@@ -126,6 +129,8 @@ class Streamed:
     def _onload(self, unit: str) -> None:
         if unit in self._loaded:
             return
+        if self._gate is not None and unit not in self.stem and self._gate.wait(("unit", unit)):
+            return  # loaded once for all the forwards of an in_step pass
         from torch.utils._python_dispatch import _disable_current_modes
 
         # loading is not the model's computation: a dispatch mode watching the forward (verify's activation-bytes
@@ -140,6 +145,8 @@ class Streamed:
     def _offload(self, unit: str) -> None:
         if self._depth and unit in self.stem:
             return  # held until the model's forward ends
+        if self._gate is not None and self._gate.holds(unit):
+            return  # other forwards of the pass have yet to run it
         for slot, name in self.units[unit]:
             slot.module._parameters[slot.attr] = self._placeholders[name]
         self._loaded.discard(unit)

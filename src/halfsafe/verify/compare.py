@@ -118,6 +118,7 @@ def verify(
         skipped=skipped,
         environment=environment(dev),
         runtime=None if profile.is_torch else profile.to_dict(),
+        checkpoint_reads=runner.reads.to_dict() if runner.reads else {},
     )
 
 

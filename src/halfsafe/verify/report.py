@@ -112,6 +112,7 @@ class VerifyReport:
     environment: dict = field(default_factory=dict)
     runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
     phases: list[dict] = field(default_factory=list)  # {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
+    checkpoint_reads: dict = field(default_factory=dict)  # passes over the checkpoints per phase (engine.reads)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:
@@ -136,6 +137,7 @@ class VerifyReport:
             "environment": self.environment,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
             "phases": self.phases,
+            **({"checkpoint_reads": self.checkpoint_reads} if self.checkpoint_reads else {}),
         }
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from ..engine.pipeline import in_step
+from ..engine.reads import Reads
 from ..engine.streamed import compute_device
 from ..forward import is_encoder_decoder
 from ..forward import logits as forward_logits
@@ -133,6 +136,7 @@ class Runner:
         self.blocks = blocks
         self.greedy_tokens = greedy_tokens
         self.refs = ReferenceCache(ref_dir)
+        self.reads = Reads()  # passes over each checkpoint, per variant (its forwards, its greedy generation)
         self.progress = progress
 
     def run_reference(self, model: PreTrainedModel, variant: Variant) -> VariantResult:
@@ -154,33 +158,45 @@ class Runner:
         try:
             for t, text_samples in enumerate(self.inputs.samples):
                 acc = Accumulator(lm, self.collapse)
+                measured = {}
+
+                def forward(s, ids, t=t, n=len(text_samples)):
+                    self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{n}")
+                    if t == 0 and s == 0:
+                        out, measured["bytes"], measured["method"] = peak_memory(lambda: forward_logits(model, ids), device)
+                        return out
+                    return forward_logits(model, ids)
+
+                def take(s, out, t=t, acc=acc):
+                    nonlocal logit_bytes, comparing
+                    began, ids = time.perf_counter(), text_samples[s]
+                    out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
+                    logit_bytes = max(logit_bytes, out.numel() * 4)
+                    if reference:
+                        self.refs.save(t, s, out)
+                    ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
+                    acc.add(ref, out, ids, encdec)
+                    comparing += time.perf_counter() - began
+
+                runs = [partial(forward, s, ids) for s, ids in enumerate(text_samples)]
+                # the samples in step (each unit read once for all), compared one at a time in order; CUDA counts every
+                # allocation, so there the measured first sample runs alone
+                alone = 1 if t == 0 and device.type == "cuda" else 0
+                start, comparing = time.perf_counter(), 0.0
                 text = "" if len(self.inputs.samples) == 1 else f", text {t + 1}"
-                with phase(f"{variant.name}{text}", model, passes=len(text_samples)):
-                    for s, ids in enumerate(text_samples):
-                        self.progress(f"{variant.name}: text {t + 1}/{len(self.inputs.samples)}, sample {s + 1}/{len(text_samples)}")
-
-                        def forward(ids=ids):
-                            return forward_logits(model, ids)
-
-                        start = time.perf_counter()
-                        if t == 0 and s == 0:
-                            out, peak_act, method = peak_memory(forward, device)
-                        else:
-                            out = forward()
-                        seconds += time.perf_counter() - start
-                        tokens += ids.numel()
-                        out = out.cpu()  # in its own dtype: the comparison widens a few positions at a time (exactly)
-                        logit_bytes = max(logit_bytes, out.numel() * 4)
-                        if reference:
-                            self.refs.save(t, s, out)
-                        ref = out if reference else self.refs.load(t, s)  # the reference is its own reference
-                        acc.add(ref, out, ids, encdec)
-                        del out, ref
+                with self.reads.phase(model, variant.name), phase(f"{variant.name}{text}", model, passes=len(runs), pass_name=None):
+                    for lo, hi in ((0, alone), (alone, len(runs))):
+                        in_step(model, runs[lo:hi], then=lambda i, out, lo=lo: take(lo + i, out))
+                seconds += time.perf_counter() - start - comparing
+                tokens += sum(ids.numel() for ids in text_samples)
+                if measured:
+                    peak_act, method = measured["bytes"], measured["method"]
                 if self.greedy_tokens > 0 and model.can_generate():
                     self.progress(f"{variant.name}: greedy generation, text {t + 1}")
                     # blocks stay loaded between tokens up to the bytes one sample's float32 logits took above:
                     # generation then needs no more memory than the forward passes did
-                    with phase(f"{variant.name} greedy{text}", model, passes=self.greedy_tokens, unit="tokens"):
+                    with self.reads.phase(model, f"{variant.name} greedy"), \
+                            phase(f"{variant.name} greedy{text}", model, passes=self.greedy_tokens, unit="tokens"):
                         toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
                     greedy_all.append(toks)
                     ref_toks = toks if reference else self.refs.greedy[t]
