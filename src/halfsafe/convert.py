@@ -16,6 +16,7 @@ from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import Family, family_for
 from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .fp16_arith import check_arith, resolve as resolve_arith
 from .forward import logits as forward_logits, prefix, sample_tokens
 from .groups import Group, expand
 from .margin import Margin, check_options, choose_margin
@@ -62,6 +63,7 @@ class ConversionReport:
     notes: list[str] = field(default_factory=list)
     margin: Margin | None = None
     runtime: dict | None = None  # convert --runtime: the profile, its constraints and candidates (runtime_convert)
+    fp16_arith: dict | None = None  # how the candidates' float16 ran (halfsafe.fp16_arith.resolve)
 
     @property
     def chosen(self) -> Candidate:
@@ -85,13 +87,14 @@ class ConversionReport:
             "fp16_finite_on_calibration": self.fp16_finite,
             "notes": self.notes,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
+            **({"fp16_arith": self.fp16_arith} if self.fp16_arith is not None else {}),
         }
 
 
 @torch.no_grad()
-def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
-    """Apply, run in fp16 on `ids`, compare to the fp32 reference, undo (bit for bit)."""
-    with trial(model, family, groups, exponents), in_dtype(model, torch.float16) as half:
+def evaluate_candidate(model, family, groups, exponents, ids, ref, arith: str = "native") -> Candidate:
+    """Apply, run in fp16 on `ids` (`arith`: halfsafe.fp16_arith), compare to the fp32 reference, undo (bit for bit)."""
+    with trial(model, family, groups, exponents), in_dtype(model, torch.float16, arith) as half:
         out = forward_logits(half, ids)  # compared in fp16: the metrics widen a few positions at a time, exactly
     finite = bool(torch.isfinite(out).all())
     return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
@@ -183,13 +186,16 @@ def plan_fp16_safe(
     scan_report: ScanReport | None = None,
     max_context: int | None = None,
     runtime: str | None = None,
+    fp16_arith: str | None = None,
 ) -> ConversionReport:
     """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
     `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both). The margin kept under 65504
     is made for `max_context` tokens (default: the model's longest context) by `halfsafe.margin`'s rule;
     `headroom_bits` sets it instead. `runtime`: a runtime profile (halfsafe.runtimes) other than "torch" chooses the
-    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime_convert)."""
+    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime_convert). `fp16_arith`: how the
+    candidates' float16 computes ("emulated", the default where proven, or "native": halfsafe.fp16_arith)."""
     profile = get_profile(runtime)
+    arith = resolve_arith(fp16_arith, model)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     if samples is None:
@@ -207,7 +213,7 @@ def plan_fp16_safe(
     if profile.is_torch:
         for e in candidate_exponents(groups, constraints, headroom_bits, candidates):
             kept, left = keeps_margin(constraints, e, reference, headroom_bits)
-            c = evaluate_candidate(model, family, groups, e, eval_ids, ref) if kept else Candidate(dict(e), math.nan, math.nan, False)
+            c = evaluate_candidate(model, family, groups, e, eval_ids, ref, arith["used"]) if kept else Candidate(dict(e), math.nan, math.nan, False)
             c.headroom_bits, c.keeps_margin = left, kept
             tried.append(c)
         chosen = choose_candidate(tried)
@@ -241,6 +247,7 @@ def plan_fp16_safe(
         fp16_finite=chosen.finite,
         margin=margin,
         runtime=runtime_info,
+        fp16_arith=arith if profile.is_torch else None,
     )
 
 
@@ -353,6 +360,7 @@ def convert_checkpoint(
     device: str = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     runtime: str | None = None,
+    fp16_arith: str | None = None,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
@@ -364,6 +372,7 @@ def convert_checkpoint(
     check_out_dir(out, overwrite, inputs=input_paths(source))  # fail before the slow part
     check_options(max_context, headroom_bits)
     profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
+    check_arith(fp16_arith)
     max_shard_size = shard_size(max_shard_size)
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
@@ -376,7 +385,7 @@ def convert_checkpoint(
         samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
     tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
-                            max_context=max_context, **profiled)
+                            max_context=max_context, fp16_arith=fp16_arith, **profiled)
     check_storage(report.storage, "refusing to save (please report this)")
     save_fp16_checkpoint(loaded.model, tokenizer(), out, {"source": str(source), **report.to_dict()}, loaded.folder, overwrite,
                          max_shard_size, progress)

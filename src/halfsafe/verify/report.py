@@ -111,6 +111,7 @@ class VerifyReport:
     skipped: dict[str, str] = field(default_factory=dict)  # variant -> why
     environment: dict = field(default_factory=dict)
     runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
+    fp16_arith: dict | None = None  # how the float16 variants computed (halfsafe.fp16_arith.resolve)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:
@@ -134,6 +135,7 @@ class VerifyReport:
             "skipped": self.skipped,
             "environment": self.environment,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
+            **({"fp16_arith": self.fp16_arith} if self.fp16_arith is not None else {}),
         }
 
 
