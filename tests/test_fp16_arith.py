@@ -87,6 +87,13 @@ def test_emulation_replaces_only_float16_matrix_products():
     assert torch.equal(y, (x.float() @ w.float().t()).half())
 
 
+def _emulated_products(run) -> tuple:
+    """run()'s result and how many float16 matrix products it ran from float32 kernels."""
+    before = sum(fp16_arith.calls.values())
+    out = run()
+    return out, sum(fp16_arith.calls.values()) - before
+
+
 def _tiny_folder(tmp_path, key="qwen2"):
     folder = tmp_path / key
     make_tiny(key).save_pretrained(folder)
@@ -96,8 +103,9 @@ def _tiny_folder(tmp_path, key="qwen2"):
 @pytest.mark.parametrize("arith", ["emulated", "native"])
 def test_scan_fp16_check_records_its_arithmetic(tmp_path, arith):
     folder, out = _tiny_folder(tmp_path), tmp_path / "scan.json"
-    assert main(["scan", str(folder), "--fp16-check", "--fp16-arith", arith, "--json", str(out), "--max-samples", "1",
-                 "--seq-len", "32"]) == 0
+    rc, ran = _emulated_products(lambda: main(["scan", str(folder), "--fp16-check", "--fp16-arith", arith, "--json", str(out),
+                                               "--max-samples", "1", "--seq-len", "32"]))
+    assert rc == 0 and (ran > 0) == (arith == "emulated")
     check = json.loads(out.read_text())["fp16_check"]
     assert check["ran"] and check["arith"]["used"] == arith
 
@@ -107,7 +115,9 @@ def test_convert_candidates_are_the_same_either_way_and_say_how_they_ran(tmp_pat
     reports = {}
     for arith in ("emulated", "native"):
         out = tmp_path / f"out-{arith}"
-        assert main(["convert", str(folder), str(out), "--fp16-arith", arith, "--max-samples", "1", "--seq-len", "32"]) == 0
+        args = ["convert", str(folder), str(out), "--fp16-arith", arith, "--max-samples", "1", "--seq-len", "32"]
+        rc, ran = _emulated_products(lambda: main(args))
+        assert rc == 0 and (ran > 0) == (arith == "emulated")
         reports[arith] = json.loads((out / "halfsafe.json").read_text())
         assert reports[arith]["fp16_arith"]["used"] == arith
     assert [c["kl"] for c in reports["emulated"]["candidates"]] == [c["kl"] for c in reports["native"]["candidates"]]
@@ -119,8 +129,11 @@ def test_verify_fp16_variants_say_how_they_ran(tmp_path):
     from halfsafe.verify import verify
 
     folder = _tiny_folder(tmp_path)
-    reports = {a: verify(str(folder), seq_len=16, max_samples=1, greedy_tokens=0, variants=["fp16"], fp16_arith=a)
-               for a in ("emulated", "native")}
+    reports, ran = {}, {}
+    for a in ("emulated", "native"):
+        reports[a], ran[a] = _emulated_products(lambda: verify(str(folder), seq_len=16, max_samples=1, greedy_tokens=0,
+                                                               variants=["fp16"], fp16_arith=a))
+    assert ran["emulated"] > 0 and ran["native"] == 0
     assert reports["emulated"].to_dict()["fp16_arith"]["used"] == "emulated"
     kl = {a: next(r.overall.kl_mean for r in rep.results if r.variant.name == "fp16") for a, rep in reports.items()}
     assert kl["emulated"] == kl["native"] > 0

@@ -13,6 +13,7 @@ stays float16: dtypes, masks, clamps, fp32 islands and overflow are the float16 
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -29,6 +30,7 @@ DEFAULT = EMULATED
 # tests/test_fp16_arith.py) did not find the emulated logits within two native kernels' difference.
 NATIVE_ONLY: dict[str, str] = {}
 
+calls: Counter = Counter()  # matrix products run from float32 kernels, by op name: what runs reached
 aten = torch.ops.aten
 MATRIX_OPS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                         aten._grouped_mm.default, aten.convolution.default})
@@ -55,6 +57,7 @@ class Fp32MatrixKernels(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in MATRIX_OPS and _half_cpu_operands(args, kwargs):
             self.calls += 1
+            calls[func.__name__] += 1
             out = func(*tree_map(_up, args), **tree_map(_up, kwargs))
             return out.to(torch.float16)
         return func(*args, **kwargs)
