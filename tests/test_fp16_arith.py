@@ -3,14 +3,16 @@ computes what PyTorch's own float16 kernels compute: on every tiny family the lo
 same non-finite positions, also where the float16 run overflows; convert, scan and verify use it by default, record
 it, and take `--fp16-arith native`.
 
-Measured here (bench/fp16_arith.py, bench/results/fp16_arith.txt): on every tiny family emulated and native logits
-are bit-identical, at 1 and 2 threads. The bound is tests/same_run.py's for two runs whose float32 sums may be added
-in another order (8 fp16 ulps of the logits' peak); where that order differs it is a last-bit difference, as between
-two native float16 kernels (measured on Gemma 3 270M in the bench)."""
+The bound is what two of PyTorch's own float16 kernels differ by (bench/fp16_arith.py, bench/results/fp16_arith.txt):
+oneDNN's AVX512-FP16 kernels against the same ops with oneDNN held to AVX512_CORE differ by up to 3.25 fp16 ulps of
+the logits' peak over the tiny families (gemma4_text-moe; 0 to 2.5 for the others), so 4 ulps here. Measured on this
+project's machine (AVX512-FP16), emulated and native logits are bit-identical on every tiny family and on Gemma 3
+270M (128 tokens)."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -20,11 +22,11 @@ from halfsafe.cli import main
 from halfsafe.forward import logits
 from halfsafe.precision import in_dtype
 from halfsafe.scan import first_nonfinite_in_fp16
-from tests.same_run import assert_same_run
 from tests.stress import make_stress
 from tests.tiny import TINY, make_tiny, tiny_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
+ULPS = 4  # fp16 ulps of the logits' peak: two native float16 kernels differ by up to 3.25 (module docstring)
 
 
 def _both(model, ids):
@@ -40,7 +42,11 @@ def _assert_same_fp16(native, emulated, what):
     assert emulated.dtype == native.dtype == torch.float16, what
     assert torch.equal(torch.isfinite(native), torch.isfinite(emulated)), f"{what}: non-finite positions differ"
     keep = torch.isfinite(native)
-    assert_same_run(native.where(keep, 0), emulated.where(keep, 0), what)
+    a, b = native.float()[keep], emulated.float()[keep]
+    if a.numel():
+        bound = ULPS * 2.0 ** (math.floor(math.log2(float(a.abs().max()))) - 10)
+        diff = float((a - b).abs().max())
+        assert diff <= bound, f"{what}: emulated and native fp16 differ by {diff:.3g}, more than {ULPS} ulps of the peak"
 
 
 @pytest.mark.parametrize("key", sorted(TINY))
