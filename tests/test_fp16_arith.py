@@ -1,7 +1,7 @@
 """The emulated float16 arithmetic (halfsafe.fp16_arith: float16 matrix products from float32 kernels, rounded once)
 computes what PyTorch's own float16 kernels compute: on every tiny family the logits are the native ones, with the
 same non-finite positions, also where the float16 run overflows; convert, scan and verify use it by default, record
-it, and take `--fp16-arith native`.
+it, and take `--fp16-arith native` (the default, auto, emulates where PyTorch's float16 products are slow).
 
 The bound is what two of PyTorch's own float16 kernels differ by (bench/fp16_arith.py, bench/results/fp16_arith.txt):
 oneDNN's AVX512-FP16 kernels against the same ops with oneDNN held to AVX512_CORE differ by up to 3.25 fp16 ulps of
@@ -72,9 +72,13 @@ def test_where_fp16_overflows_the_emulation_overflows_at_the_same_positions_and_
     assert first is not None and first_nonfinite_in_fp16(model, calib, fp16_arith.EMULATED) == first
 
 
-def test_emulated_is_chosen_where_proven_and_a_listed_family_keeps_native(monkeypatch):
+def test_emulated_is_chosen_where_proven_and_float16_is_slow_and_a_listed_family_keeps_native(monkeypatch):
     model = make_tiny("llama")
+    monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 7.0)  # a CPU without AVX512-FP16
     assert fp16_arith.resolve(None, model)["used"] == fp16_arith.EMULATED
+    monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 1.0)  # with it: PyTorch's own are as fast
+    assert fp16_arith.resolve(None, model)["used"] == fp16_arith.NATIVE
+    assert fp16_arith.resolve("emulated", model)["used"] == fp16_arith.EMULATED
     assert fp16_arith.resolve("native", model) == {"asked": "native", "used": "native", "why": "asked for"}
     monkeypatch.setitem(fp16_arith.NATIVE_ONLY, "llama", "not proven")
     chosen = fp16_arith.resolve(None, model)

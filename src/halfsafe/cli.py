@@ -101,8 +101,9 @@ def _fp16_arith_option(p, what: str) -> None:
     from .fp16_arith import ARITHS, DEFAULT
 
     p.add_argument("--fp16-arith", default=DEFAULT, choices=ARITHS,
-                   help=f"how {what} computes: emulated (float16 matrix products from float32 kernels, rounded once; "
-                        "the default where proven) or native (PyTorch's float16 kernels)")
+                   help=f"how {what} computes: emulated (float16 matrix products from float32 kernels, rounded once), "
+                        "native (PyTorch's float16 kernels) or auto (default: emulated where proven and where PyTorch's "
+                        "float16 products are slow)")
 
 
 def _engine_options(p) -> None:
