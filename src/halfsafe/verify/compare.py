@@ -62,7 +62,7 @@ def verify(
     are finite but collapsed (nearly uniform rows, one token on top everywhere). `fp16_arith`: how the float16
     variants compute ("emulated", the default where proven, or "native": halfsafe.fp16_arith).
     """
-    from ..fp16_arith import check_arith, resolve
+    from ..fp16_arith import NATIVE, check_arith, fp16_arith as fp16_arith_mode, resolve
     from ..runtimes import get_profile
 
     from ..calibration import heldout_text
@@ -102,9 +102,10 @@ def verify(
         runner.collapse = not profile.is_torch  # also measure finite-but-collapsed outputs
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
-            with _built(original, converted, from_converted, dtype, stream, dev, progress) as built:
+            with _built(original, converted, from_converted, dtype, stream, dev, progress) as built, \
+                    fp16_arith_mode(arith["used"] if dtype == torch.float16 else NATIVE):  # how float16 variants compute
                 for variant in group:
-                    _run_patched(runner, built, variant, results, skipped, arith["used"])
+                    _run_patched(runner, built, variant, results, skipped)
             del built  # before the next group's model is made
             gc.collect()
     return VerifyReport(
@@ -190,16 +191,12 @@ def _built(original: PreTrainedModel, converted, from_converted: bool, dtype: to
     yield load_converted(converted, original, stream=stream, device=device)
 
 
-def _run_patched(runner: Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict,
-                 arith: str = "native") -> None:
-    """Run `variant` on `model` (the right dtype already), with its run-time patch on for the duration; a float16
-    variant computes as `arith` says (halfsafe.fp16_arith)."""
-    from ..fp16_arith import NATIVE, fp16_arith
-
+def _run_patched(runner: Runner, model: PreTrainedModel, variant: Variant, results: list, skipped: dict) -> None:
+    """Run `variant` on `model` (the right dtype already), with its run-time patch on for the duration."""
     try:
         handle = variant.patch(model)
     except HalfsafeError as e:
         skipped[variant.name] = str(e)
         return
-    with handle, fp16_arith(arith if variant.torch_dtype == torch.float16 else NATIVE):
+    with handle:
         results.append(runner.run(model, variant))
