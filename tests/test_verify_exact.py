@@ -18,6 +18,7 @@ from torch import nn
 
 import halfsafe
 import halfsafe.plots
+from halfsafe import fp16_arith
 from halfsafe.baselines import clamp_residual_adds
 from halfsafe.engine.reads import Reads
 from halfsafe.engine.streamed import compute_device, streamed_of
@@ -641,7 +642,8 @@ def test_verify_defaults_with_a_model_object(wired):
         model="org/name", converted=None, model_type="llama",
         texts=[{"name": "held-out text (embedded)", "samples": 2, "tokens": 8}], seq_len=512, greedy_tokens=32, prompt_tokens=16,
         layers=["b0", "b1"], results=["REF", "bf16 result", "fp16 result", "fp16 + fp32 residual result"],
-        skipped={CLAMP: "does not apply"}, environment={"device": "DEV"})
+        skipped={CLAMP: "does not apply"}, environment={"device": "DEV"},
+        fp16_arith=fp16_arith.resolve(None, original))
     assert compare.verify(_Original(name="")).model == "_Original"
     nameless = _Original()
     del nameless.config._name_or_path

@@ -98,6 +98,15 @@ def _runtime_option(p, what: str) -> None:
                    help=f"{what} under runtime profile P's float16 arithmetic ({', '.join(PROFILES)}; default {DEFAULT})")
 
 
+def _fp16_arith_option(p, what: str) -> None:
+    from .fp16_arith import ARITHS, DEFAULT
+
+    p.add_argument("--fp16-arith", default=DEFAULT, choices=ARITHS,
+                   help=f"how {what} computes: emulated (float16 matrix products from float32 kernels, rounded once), "
+                        "native (PyTorch's float16 kernels) or auto (default: emulated where proven and where PyTorch's "
+                        "float16 products are slow)")
+
+
 def _engine_options(p) -> None:
     p.add_argument("--device", default="auto", type=_device, help="cpu, cuda or auto (default: cuda when torch sees a GPU): one block on it at a time")
     p.add_argument("--whole", action="store_true",
@@ -113,7 +122,8 @@ def cmd_scan(args) -> int:
     from .engine.device import resolve_device
 
     loaded = load_model(args.model, stream=not args.whole, device=resolve_device(args.device))
-    report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime)
+    report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
+                  fp16_arith=args.fp16_arith)
     scan_tables(report, console, top=args.top)
     _write_json(args.json, report.to_dict())
     if args.plot:
@@ -140,7 +150,7 @@ def cmd_convert(args) -> int:
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
         max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
-        max_shard_size=args.max_shard_size, runtime=None if runtime.is_torch else runtime,
+        max_shard_size=args.max_shard_size, runtime=None if runtime.is_torch else runtime, fp16_arith=args.fp16_arith,
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
@@ -256,7 +266,7 @@ def cmd_verify(args) -> int:
     report = verify(  # progress: halfsafe.progress, per phase
         args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
         seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens,
-        device=device, stream=not args.whole, runtime=args.runtime,
+        device=device, stream=not args.whole, runtime=args.runtime, fp16_arith=args.fp16_arith,
     )
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())
@@ -294,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
     p.add_argument("--top", type=_count(1), default=12, help="rows in the tightest-tensors table")
     _runtime_option(p, "also measure what would overflow")
+    _fp16_arith_option(p, "--fp16-check")
     _engine_options(p)
     p.set_defaults(func=cmd_scan)
 
@@ -313,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"largest output weight file, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE}, as the hub expects; bigger "
                         "checkpoints get model-0000N-of-0000M.safetensors and model.safetensors.index.json)")
     _runtime_option(p, "choose the plan (or refuse)")
+    _fp16_arith_option(p, "the candidates' float16 trial")
     _engine_options(p)
     p.set_defaults(func=cmd_convert)
 
@@ -378,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write every metric, per variant and per text, as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of KL per variant, and PATH-layers.png of per-layer peaks before/after")
     _runtime_option(p, "also run fp16 and the converted checkpoint")
+    _fp16_arith_option(p, "every float16 variant")
     _engine_options(p)
     p.set_defaults(func=cmd_verify)
     return parser

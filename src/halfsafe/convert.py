@@ -17,6 +17,7 @@ from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import Family, family_for
 from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .fp16_arith import check_arith, resolve as resolve_arith
 from .forward import logits as forward_logits, prefix, sample_tokens
 from .groups import Group, expand
 from .margin import Margin, check_options, choose_margin
@@ -67,6 +68,7 @@ class ConversionReport:
     phases: list[dict] = field(default_factory=list)  # convert_checkpoint: {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
     reads: Reads = field(default_factory=Reads)  # passes over a streamed model's checkpoint per phase
     reference_logits: torch.Tensor | None = field(default=None, repr=False)  # fp32, on the evaluation prefix (reused)
+    fp16_arith: dict | None = None  # how the candidates' float16 ran (halfsafe.fp16_arith.resolve)
 
     @property
     def chosen(self) -> Candidate:
@@ -91,13 +93,14 @@ class ConversionReport:
             "notes": self.notes,
             **({"runtime": self.runtime} if self.runtime is not None else {}),
             **({"checkpoint_reads": self.reads.to_dict()} if self.reads else {}),
+            **({"fp16_arith": self.fp16_arith} if self.fp16_arith is not None else {}),
         }
 
 
 @torch.no_grad()
-def evaluate_candidate(model, family, groups, exponents, ids, ref) -> Candidate:
-    """Apply, run in fp16 on `ids`, compare to the fp32 reference, undo (bit for bit)."""
-    with trial(model, family, groups, exponents), in_dtype(model, torch.float16) as half:
+def evaluate_candidate(model, family, groups, exponents, ids, ref, arith: str = "native") -> Candidate:
+    """Apply, run in fp16 on `ids` (`arith`: halfsafe.fp16_arith), compare to the fp32 reference, undo (bit for bit)."""
+    with trial(model, family, groups, exponents), in_dtype(model, torch.float16, arith) as half:
         out = forward_logits(half, ids)  # compared in fp16: the metrics widen a few positions at a time, exactly
     finite = bool(torch.isfinite(out).all())
     return Candidate(dict(exponents), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite)
@@ -189,13 +192,16 @@ def plan_fp16_safe(
     scan_report: ScanReport | None = None,
     max_context: int | None = None,
     runtime: str | None = None,
+    fp16_arith: str | None = None,
 ) -> ConversionReport:
     """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
     `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both). The margin kept under 65504
     is made for `max_context` tokens (default: the model's longest context) by `halfsafe.margin`'s rule;
     `headroom_bits` sets it instead. `runtime`: a runtime profile (halfsafe.runtimes) other than "torch" chooses the
-    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime_convert)."""
+    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime_convert). `fp16_arith`: how the
+    candidates' float16 computes ("emulated", the default where proven, or "native": halfsafe.fp16_arith)."""
     profile = get_profile(runtime)
+    arith = resolve_arith(fp16_arith, model)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     if samples is None:
@@ -219,7 +225,7 @@ def plan_fp16_safe(
     with reads.phase(model, "candidates"):
         if profile.is_torch:
             tried = _evaluate_all(model, family, groups, constraints, reference, headroom_bits, candidates, eval_ids, ref,
-                                  progress)
+                                  progress, arith["used"])
             chosen = choose_candidate(tried)
         else:
             chosen, tried, runtime_info = _choose_under(profile, model, family, groups, constraints, reference, headroom_bits,
@@ -253,11 +259,12 @@ def plan_fp16_safe(
         runtime=runtime_info,
         reads=reads,
         reference_logits=ref,
+        fp16_arith=arith if profile.is_torch else None,
     )
 
 
 def _evaluate_all(model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref,
-                  progress: bool = False) -> list[Candidate]:
+                  progress: bool = False, arith: str = "native") -> list[Candidate]:
     """Every candidate of `candidate_exponents`, those that keep the margin run in fp16; one whose exponents make the
     same model as one already run (`model_key`) takes that one's measurement instead of running again."""
     tried, measured = [], {}
@@ -270,7 +277,7 @@ def _evaluate_all(model, family, groups, constraints, reference, headroom_bits, 
             if key not in measured:
                 name = f"candidate residual 2^{e['residual']}" if "residual" in e else "candidate"
                 with phase(name, model, quiet=not progress):  # an fp16 copy made inside is counted too
-                    measured[key] = evaluate_candidate(model, family, groups, e, eval_ids, ref)
+                    measured[key] = evaluate_candidate(model, family, groups, e, eval_ids, ref, arith)
             m = measured[key]
             c = Candidate(dict(e), m.kl, m.top1, m.finite)
         c.headroom_bits, c.keeps_margin = left, kept
@@ -393,6 +400,7 @@ def convert_checkpoint(
     device: str = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     runtime: str | None = None,
+    fp16_arith: str | None = None,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
@@ -404,6 +412,7 @@ def convert_checkpoint(
     check_out_dir(out, overwrite, inputs=input_paths(source))  # fail before the slow part
     check_options(max_context, headroom_bits)
     profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
+    check_arith(fp16_arith)
     max_shard_size = shard_size(max_shard_size)
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
@@ -417,7 +426,7 @@ def convert_checkpoint(
         samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
     tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
-                            max_context=max_context, **profiled)
+                            max_context=max_context, fp16_arith=fp16_arith, **profiled)
     check_storage(report.storage, "refusing to save (please report this)")
     with report.reads.phase(loaded.model, "write"):  # halfsafe.json, written after the weights, counts their read
         save_fp16_checkpoint(loaded.model, tokenizer(), out, lambda: {"source": str(source), **report.to_dict()}, loaded.folder,

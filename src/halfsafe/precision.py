@@ -52,25 +52,27 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @contextmanager
-def in_dtype(model: nn.Module, dtype: torch.dtype):
+def in_dtype(model: nn.Module, dtype: torch.dtype, arith: str = "native"):
     """`with in_dtype(model, torch.float16) as half: half(...)`: the model computing in `dtype` as
     `from_pretrained(..., dtype=dtype)` would, for the duration. An in-memory model gets a `cast_copy` (freed
-    after); a streamed one (halfsafe.engine) loads its units in `dtype` and is restored after."""
+    after); a streamed one (halfsafe.engine) loads its units in `dtype` and is restored after. `arith`: how its
+    float16 ops compute (halfsafe.fp16_arith: "emulated" runs the matrix products as float32 kernels)."""
     from .engine.device import exact_fp16_reductions
     from .engine.streamed import streamed_of
+    from .fp16_arith import fp16_arith
 
     streamed = streamed_of(model)
     if streamed is None:
         half = cast_copy(model, dtype)
         try:
-            with exact_fp16_reductions():
+            with exact_fp16_reductions(), fp16_arith(arith):
                 yield half
         finally:
             del half
         return
     saved = streamed.set_dtype(dtype)
     try:
-        with exact_fp16_reductions():
+        with exact_fp16_reductions(), fp16_arith(arith):
             yield model
     finally:
         streamed.restore_dtype(saved)

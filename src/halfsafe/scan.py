@@ -46,6 +46,7 @@ class ScanReport:
     fp16_checked: bool = False
     notes: list[str] = field(default_factory=list)
     runtime: "RuntimeScan | None" = None  # what a runtime profile puts in float16 (scan --runtime)
+    fp16_arith: dict | None = None  # how the fp16 check computed (halfsafe.fp16_arith.resolve)
 
     @property
     def fp16_safe(self) -> bool:
@@ -70,7 +71,8 @@ class ScanReport:
             "peak": self.peak.to_dict(),
             "n_samples": self.n_samples,
             "n_tokens": self.n_tokens,
-            "fp16_check": {"ran": self.fp16_checked, "first_nonfinite_module": self.first_nonfinite_fp16},
+            "fp16_check": {"ran": self.fp16_checked, "first_nonfinite_module": self.first_nonfinite_fp16,
+                           **({"arith": self.fp16_arith} if self.fp16_arith is not None else {})},
             "layers": [
                 {"name": l.name, "residual_peak": l.residual_peak, "headroom_bits": l.headroom_bits,
                  "inner_peak": l.inner_peak, "inner_site": l.inner_site}
@@ -120,10 +122,10 @@ def layer_peaks(model: PreTrainedModel, sites: dict[str, SiteStats]) -> list[Lay
 
 
 @torch.no_grad()
-def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor]) -> str | None:
-    """Run an fp16 copy of `model` on a short prefix of the samples; the first module whose output is
-    inf/NaN, or None."""
-    with in_dtype(model, torch.float16) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
+def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor], arith: str = "native") -> str | None:
+    """Run an fp16 copy of `model` on a short prefix of the samples (`arith`: halfsafe.fp16_arith); the first module
+    whose output is inf/NaN, or None."""
+    with in_dtype(model, torch.float16, arith) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
         if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
             in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]])
         else:
@@ -139,13 +141,16 @@ def _fp16_forward(half: PreTrainedModel, ids) -> None:
 
 
 def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "",
-         runtime: "str | None" = None) -> ScanReport:
+         runtime: "str | None" = None, fp16_arith: str | None = None) -> ScanReport:
     """Measure every module's activations on `samples` (the model's own dtype, normally float32); `runtime`: also
-    the quantities that runtime profile computes in float16 (halfsafe.runtime_stats; "torch": none)."""
+    the quantities that runtime profile computes in float16 (halfsafe.runtime_stats; "torch": none). `fp16_arith`:
+    how the fp16 check computes ("emulated", the default where proven, or "native": halfsafe.fp16_arith)."""
+    from .fp16_arith import check_arith, resolve
     from .runtime_stats import RuntimeCollector
     from .runtimes import get_profile
 
     profile = get_profile(runtime)
+    check_arith(fp16_arith)
     extra = RuntimeCollector(model, profile) if not profile.is_torch else None
     sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext())
     report = ScanReport(
@@ -158,7 +163,8 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
         runtime=extra.scan if extra is not None else None,
     )
     if fp16_check:
+        report.fp16_arith = resolve(fp16_arith, model)
         with phase("fp16 check", model, passes=min(len(samples), 2), quiet=not progress):
-            report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples)
+            report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples, report.fp16_arith["used"])
         report.fp16_checked = True
     return report

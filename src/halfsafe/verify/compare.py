@@ -48,6 +48,7 @@ def verify(
     progress: Callable[[str], None] | None = None,
     stream: bool = True,
     runtime: str | None = None,
+    fp16_arith: str | None = None,
 ) -> VerifyReport:
     """Compare every variant of `model` (a folder/fixture name/hub id, or a float32 model) with its float32
     run on `texts` (default: the embedded held-out text, never used for calibration).
@@ -60,14 +61,17 @@ def verify(
     block's weights at a time; False loads each whole. `device`: where it computes ("cpu", "cuda", "auto").
     `runtime`: a runtime profile (halfsafe.runtimes); other than "torch", the fp16 and halfsafe fp16 variants also run
     under its float16 arithmetic, emulated ("<variant> @ <profile>"), and every variant is checked for outputs that
-    are finite but collapsed (nearly uniform rows, one token on top everywhere).
+    are finite but collapsed (nearly uniform rows, one token on top everywhere). `fp16_arith`: how the float16
+    variants compute ("emulated", the default where proven, or "native": halfsafe.fp16_arith).
     """
+    from ..fp16_arith import NATIVE, check_arith, fp16_arith as fp16_arith_mode, resolve
     from ..runtimes import get_profile
 
     from ..calibration import heldout_text
     from ..loading import load_model
 
     progress = progress or (lambda msg: None)
+    check_arith(fp16_arith)
     name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
     if isinstance(model, nn.Module):
         original = model
@@ -80,6 +84,7 @@ def verify(
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
     dev = compute_device(original)
+    arith = resolve(fp16_arith, original)
     profile = get_profile(runtime)
     todo, skipped = _with_runtime(variants, converted is not None, profile)
     if converted is not None and not isinstance(converted, nn.Module):
@@ -100,7 +105,8 @@ def verify(
         runner.collapse = not profile.is_torch  # also measure finite-but-collapsed outputs
         results.append(runner.run_reference(original, VARIANTS[REFERENCE]))
         for (from_converted, dtype), group in groupby(todo, key=lambda v: (v.converted, v.torch_dtype)):
-            with _built(original, converted, from_converted, dtype, stream, dev, progress) as built:
+            with _built(original, converted, from_converted, dtype, stream, dev, progress) as built, \
+                    fp16_arith_mode(arith["used"] if dtype == torch.float16 else NATIVE):  # how float16 variants compute
                 for variant in group:
                     _run_patched(runner, built, variant, results, skipped)
             del built  # before the next group's model is made
@@ -119,6 +125,7 @@ def verify(
         environment=environment(dev),
         runtime=None if profile.is_torch else profile.to_dict(),
         checkpoint_reads=runner.reads.to_dict() if runner.reads else {},
+        fp16_arith=arith,
     )
 
 

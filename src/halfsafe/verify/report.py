@@ -113,6 +113,7 @@ class VerifyReport:
     runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
     phases: list[dict] = field(default_factory=list)  # {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
     checkpoint_reads: dict = field(default_factory=dict)  # passes over the checkpoints per phase (engine.reads)
+    fp16_arith: dict | None = None  # how the float16 variants computed (halfsafe.fp16_arith.resolve)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:
@@ -138,6 +139,7 @@ class VerifyReport:
             **({"runtime": self.runtime} if self.runtime is not None else {}),
             "phases": self.phases,
             **({"checkpoint_reads": self.checkpoint_reads} if self.checkpoint_reads else {}),
+            **({"fp16_arith": self.fp16_arith} if self.fp16_arith is not None else {}),
         }
 
 

@@ -1,0 +1,123 @@
+"""How the float16 trials compute (convert's candidates, `scan --fp16-check`, verify's float16 variants):
+PyTorch's own float16 kernels ("native"), or the same arithmetic from float32 matrix kernels ("emulated").
+
+PyTorch's CPU float16 ops take and give float16 tensors and compute inside in float32: a matrix product multiplies
+float16 operands exactly in float32, accumulates in float32 and rounds its result once to float16. A float32 kernel
+on the same operands followed by that one rounding computes the same, up to the order of the float32 sums: what two
+float16 kernels differ by as well (bench/fp16_arith.py measures both, on every tiny family). Without AVX512-FP16,
+PyTorch's float16 matrix kernels run about 7x slower than its float32 ones (9 against 63 GFLOP/s on 2 threads with
+oneDNN held to AVX512_CORE; with AVX512-FP16 they are as fast), so only those are replaced: mm, addmm, bmm, baddbmm,
+grouped mm and convolution, when every floating operand is a float16 CPU tensor. Every other op, and every tensor
+between ops, stays float16: dtypes, masks, clamps, fp32 islands and overflow are the float16 model's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .errors import HalfsafeError
+
+AUTO, EMULATED, NATIVE = "auto", "emulated", "native"
+ARITHS = (AUTO, EMULATED, NATIVE)
+DEFAULT = AUTO  # emulated where proven and where PyTorch's float16 products are slow (resolve)
+SLOW = 2.0  # float16 products this many times slower than float32 ones make "auto" emulate
+
+# model_type -> why the emulation is not used for it: families where bench/fp16_arith.py (and
+# tests/test_fp16_arith.py) did not find the emulated logits within two native kernels' difference.
+NATIVE_ONLY: dict[str, str] = {}
+
+calls: Counter = Counter()  # matrix products run from float32 kernels, by op name: what runs reached
+aten = torch.ops.aten
+MATRIX_OPS = frozenset(getattr(aten, op).default for op in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution")
+                       if hasattr(aten, op))  # _grouped_mm (fused MoE experts) is newer than torch 2.1
+
+
+def _half_cpu_operands(args, kwargs) -> bool:
+    floats = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    return bool(floats) and all(a.dtype == torch.float16 and a.device.type == "cpu" for a in floats)
+
+
+def _up(a):
+    return a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a
+
+
+class Fp32MatrixKernels(TorchDispatchMode):
+    """For the duration, float16 matrix products on the CPU run as float32 kernels on the (exact) float32 values
+    of their operands, the result rounded once to float16. `calls` counts them (what a run reached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in MATRIX_OPS and _half_cpu_operands(args, kwargs):
+            self.calls += 1
+            calls[func.__name__] += 1
+            out = func(*tree_map(_up, args), **tree_map(_up, kwargs))
+            return out.to(torch.float16)
+        return func(*args, **kwargs)
+
+
+def check_arith(asked: str | None) -> str:
+    """The option as given (None: the default); an unknown name is a one-line error."""
+    asked = DEFAULT if asked is None else asked
+    if asked not in ARITHS:
+        raise HalfsafeError(f"unknown --fp16-arith {asked!r}: use {' or '.join(ARITHS)}")
+    return asked
+
+
+@functools.cache
+def float16_products_slowdown() -> float:
+    """How many times slower PyTorch's float16 matrix product is than its float32 one on this CPU, measured once
+    (best of 3, [128, 1024] x [1024, 512]; about 0.1 s where float16 is slow): about 1 with AVX512-FP16, 7 without."""
+    x, w = torch.randn(128, 1024), torch.randn(1024, 512)
+
+    def best(a, b) -> float:
+        a @ b
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(x.half(), w.half()) / best(x, w)
+
+
+def resolve(asked: str | None, model) -> dict:
+    """What the float16 trials of `model` use: {"asked", "used", "why"}. PyTorch's float16 kernels for a model type in
+    NATIVE_ONLY (the emulation is not proven there) and on a GPU (float16 is its own speed); "auto" emulates only
+    where PyTorch's float16 products are `SLOW`er than float32 ones."""
+    from .engine.streamed import compute_device
+
+    asked = check_arith(asked)
+    if asked == NATIVE:
+        return {"asked": asked, "used": NATIVE, "why": "asked for"}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in NATIVE_ONLY:
+        return {"asked": asked, "used": NATIVE, "why": f"{model_type}: {NATIVE_ONLY[model_type]}"}
+    if compute_device(model).type != "cpu":
+        return {"asked": asked, "used": NATIVE, "why": "the model computes on a GPU, whose float16 kernels are fast"}
+    if asked == AUTO:
+        slowdown = float16_products_slowdown()
+        if slowdown < SLOW:
+            return {"asked": asked, "used": NATIVE,
+                    "why": f"PyTorch's float16 matrix products run at float32 speed here ({slowdown:.1f}x its time)"}
+        return {"asked": asked, "used": EMULATED,
+                "why": f"PyTorch's float16 matrix products take {slowdown:.1f}x float32's here: float32 kernels, rounded once"}
+    return {"asked": asked, "used": EMULATED, "why": "asked for: float16 matrix products from float32 kernels, rounded once"}
+
+
+@contextmanager
+def fp16_arith(used: str):
+    """The arithmetic `used` ("emulated" or "native", as `resolve` says) for the duration."""
+    with Fp32MatrixKernels() if used == EMULATED else nullcontext() as mode:
+        yield mode

@@ -1,0 +1,149 @@
+"""The emulated float16 arithmetic (halfsafe.fp16_arith: float16 matrix products from float32 kernels, rounded once)
+computes what PyTorch's own float16 kernels compute: on every tiny family the logits are the native ones, with the
+same non-finite positions, also where the float16 run overflows; convert, scan and verify use it by default, record
+it, and take `--fp16-arith native` (the default, auto, emulates where PyTorch's float16 products are slow).
+
+The bound is what two of PyTorch's own float16 kernels differ by (bench/fp16_arith.py, bench/results/fp16_arith.txt):
+oneDNN's AVX512-FP16 kernels against the same ops with oneDNN held to AVX512_CORE differ by up to 3.25 fp16 ulps of
+the logits' peak over the tiny families (gemma4_text-moe; 0 to 2.5 for the others), so 4 ulps here. Measured on this
+project's machine (AVX512-FP16), emulated and native logits are bit-identical on every tiny family and on Gemma 3
+270M (128 tokens)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from halfsafe import fp16_arith
+from halfsafe.cli import main
+from halfsafe.forward import logits
+from halfsafe.precision import in_dtype
+from halfsafe.scan import first_nonfinite_in_fp16
+from tests.stress import make_stress
+from tests.tiny import TINY, make_tiny, tiny_ids
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
+ULPS = 4  # fp16 ulps of the logits' peak: two native float16 kernels differ by up to 3.25 (module docstring)
+
+
+def _both(model, ids):
+    """(native, emulated) fp16 logits of `model` on `ids`, and how many matrix products the emulation ran."""
+    with in_dtype(model, torch.float16, fp16_arith.NATIVE) as half:
+        native = logits(half, ids)
+    with in_dtype(model, torch.float16, fp16_arith.EMULATED) as half, fp16_arith.fp16_arith(fp16_arith.EMULATED) as mode:
+        emulated = logits(half, ids)
+    return native, emulated, mode.calls
+
+
+def _assert_same_fp16(native, emulated, what):
+    assert emulated.dtype == native.dtype == torch.float16, what
+    assert torch.equal(torch.isfinite(native), torch.isfinite(emulated)), f"{what}: non-finite positions differ"
+    keep = torch.isfinite(native)
+    a, b = native.float()[keep], emulated.float()[keep]
+    if a.numel():
+        bound = ULPS * 2.0 ** (math.floor(math.log2(float(a.abs().max()))) - 10)
+        diff = float((a - b).abs().max())
+        assert diff <= bound, f"{what}: emulated and native fp16 differ by {diff:.3g}, more than {ULPS} ulps of the peak"
+
+
+@pytest.mark.parametrize("key", sorted(TINY))
+def test_emulated_fp16_computes_native_fp16_on_every_tiny_family(key):
+    model = make_tiny(key)
+    if model.config.model_type in fp16_arith.NATIVE_ONLY:
+        assert fp16_arith.resolve(None, model)["used"] == fp16_arith.NATIVE
+        return
+    native, emulated, calls = _both(model, tiny_ids(model, 24))
+    assert calls > 0, "no float16 matrix product ran from float32 kernels"
+    _assert_same_fp16(native, emulated, key)
+
+
+@pytest.mark.parametrize("key", ["llama", "gemma3_text", "gpt2"])
+def test_where_fp16_overflows_the_emulation_overflows_at_the_same_positions_and_module(key):
+    model = make_tiny(key)
+    calib = [tiny_ids(model, 24, seed=s) for s in (1, 2)]
+    make_stress(model, lambda: [logits(model, ids) for ids in calib])
+    native, emulated, _ = _both(model, calib[0])
+    assert not torch.isfinite(native).all(), "the stressed model must overflow in float16"
+    _assert_same_fp16(native, emulated, key)
+    first = first_nonfinite_in_fp16(model, calib, fp16_arith.NATIVE)
+    assert first is not None and first_nonfinite_in_fp16(model, calib, fp16_arith.EMULATED) == first
+
+
+def test_emulated_is_chosen_where_proven_and_float16_is_slow_and_a_listed_family_keeps_native(monkeypatch):
+    model = make_tiny("llama")
+    monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 7.0)  # a CPU without AVX512-FP16
+    assert fp16_arith.resolve(None, model)["used"] == fp16_arith.EMULATED
+    monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 1.0)  # with it: PyTorch's own are as fast
+    assert fp16_arith.resolve(None, model)["used"] == fp16_arith.NATIVE
+    assert fp16_arith.resolve("emulated", model)["used"] == fp16_arith.EMULATED
+    assert fp16_arith.resolve("native", model) == {"asked": "native", "used": "native", "why": "asked for"}
+    monkeypatch.setitem(fp16_arith.NATIVE_ONLY, "llama", "not proven")
+    chosen = fp16_arith.resolve(None, model)
+    assert chosen["used"] == fp16_arith.NATIVE and "not proven" in chosen["why"]
+    with pytest.raises(fp16_arith.HalfsafeError, match="--fp16-arith"):
+        fp16_arith.check_arith("fp32")
+
+
+def test_emulation_replaces_only_float16_matrix_products():
+    x, w = torch.randn(4, 64).half(), torch.randn(32, 64).half()
+    with fp16_arith.fp16_arith(fp16_arith.EMULATED) as mode:
+        y = x @ w.t()
+        z = x.float() @ w.float().t()  # float32 stays float32
+        s = torch.softmax(x, -1)  # not a matrix product: PyTorch's own float16 kernel
+    assert mode.calls == 1 and y.dtype == torch.float16 and z.dtype == torch.float32 and s.dtype == torch.float16
+    assert torch.equal(y, (x.float() @ w.float().t()).half())
+
+
+def _emulated_products(run) -> tuple:
+    """run()'s result and how many float16 matrix products it ran from float32 kernels."""
+    before = sum(fp16_arith.calls.values())
+    out = run()
+    return out, sum(fp16_arith.calls.values()) - before
+
+
+def _tiny_folder(tmp_path, key="qwen2"):
+    folder = tmp_path / key
+    make_tiny(key).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arith", ["emulated", "native"])
+def test_scan_fp16_check_records_its_arithmetic(tmp_path, arith):
+    folder, out = _tiny_folder(tmp_path), tmp_path / "scan.json"
+    rc, ran = _emulated_products(lambda: main(["scan", str(folder), "--fp16-check", "--fp16-arith", arith, "--json", str(out),
+                                               "--max-samples", "1", "--seq-len", "32"]))
+    assert rc == 0 and (ran > 0) == (arith == "emulated")
+    check = json.loads(out.read_text())["fp16_check"]
+    assert check["ran"] and check["arith"]["used"] == arith
+
+
+def test_convert_candidates_are_the_same_either_way_and_say_how_they_ran(tmp_path):
+    folder = _tiny_folder(tmp_path, "llama")
+    reports = {}
+    for arith in ("emulated", "native"):
+        out = tmp_path / f"out-{arith}"
+        args = ["convert", str(folder), str(out), "--fp16-arith", arith, "--max-samples", "1", "--seq-len", "32"]
+        rc, ran = _emulated_products(lambda: main(args))
+        assert rc == 0 and (ran > 0) == (arith == "emulated")
+        reports[arith] = json.loads((out / "halfsafe.json").read_text())
+        assert reports[arith]["fp16_arith"]["used"] == arith
+    assert [c["kl"] for c in reports["emulated"]["candidates"]] == [c["kl"] for c in reports["native"]["candidates"]]
+    assert reports["emulated"]["plan"]["exponents"] == reports["native"]["plan"]["exponents"]
+    assert (tmp_path / "out-emulated" / "model.safetensors").read_bytes() == (tmp_path / "out-native" / "model.safetensors").read_bytes()
+
+
+def test_verify_fp16_variants_say_how_they_ran(tmp_path):
+    from halfsafe.verify import verify
+
+    folder = _tiny_folder(tmp_path)
+    reports, ran = {}, {}
+    for a in ("emulated", "native"):
+        reports[a], ran[a] = _emulated_products(lambda: verify(str(folder), seq_len=16, max_samples=1, greedy_tokens=0,
+                                                               variants=["fp16"], fp16_arith=a))
+    assert ran["emulated"] > 0 and ran["native"] == 0
+    assert reports["emulated"].to_dict()["fp16_arith"]["used"] == "emulated"
+    kl = {a: next(r.overall.kl_mean for r in rep.results if r.variant.name == "fp16") for a, rep in reports.items()}
+    assert kl["emulated"] == kl["native"] > 0
