@@ -413,7 +413,7 @@ def test_convert_checkpoint_defaults_reach_each_step(recorded):
         ("load", ("src",), {"stream": True, "device": "resolved auto"}),
         ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", ([default_text()], "TOK", 300, 512, 8), {}),
-        ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None}),
+        ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None, "fp16_arith": None}),
         ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), False,
                   shard_size(DEFAULT_MAX_SHARD_SIZE), True), {}),
     ]
@@ -429,7 +429,7 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
         ("check", ("out", True, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", (["a text"], "TOK", 300, 64, None), {}),
         ("long", ("TOK", 300, 2), {}),
-        ("make", (m, [r.sample, "LONG"]), {"headroom_bits": 3.0, "allow_unfixable": True, "progress": False, "max_context": None}),
+        ("make", (m, [r.sample, "LONG"]), {"headroom_bits": 3.0, "allow_unfixable": True, "progress": False, "max_context": None, "fp16_arith": None}),
         ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, 10**9, False), {}),
     ]
     r.calls.clear()

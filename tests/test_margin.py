@@ -92,8 +92,8 @@ def test_search_on_a_model_runs_larger_scales_and_picks_the_least_kl_that_keeps_
     kl_by_residual = {}
     real = convert.evaluate_candidate
 
-    def fake_kl(model, family, groups, exponents, ids, ref):  # a measured run, with a KL that favours 2 steps down
-        c = real(model, family, groups, exponents, ids, ref)
+    def fake_kl(model, family, groups, exponents, ids, ref, arith="native"):  # a measured run, with a KL that favours 2 steps down
+        c = real(model, family, groups, exponents, ids, ref, arith)
         r = exponents["residual"]
         c.kl = 1e-6 * (1 + abs(r - (best - 1)))
         kl_by_residual[r] = c.kl
