@@ -84,7 +84,7 @@ def test_the_python_api_is_quiet_unless_asked(tmp_path, capsys, monkeypatch):
 
 
 def test_cli_prints_a_line_per_slow_phase_and_reports_the_phases(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(progress, "INTERVAL", 0.005)  # a phase of more than 5 ms prints
+    monkeypatch.setattr(progress, "INTERVAL", 0.0005)  # a phase of more than 0.5 ms prints (the tiny ones take ms)
     save_tiny("llama", tmp_path / "m")
     out, report, checked = tmp_path / "out", tmp_path / "convert.json", tmp_path / "verify.json"
     assert main(["convert", str(tmp_path / "m"), str(out), "--seq-len", "16", "--max-samples", "2", "--json", str(report)]) == 0
