@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 from make_synthetic import QWEN_SIZES, SIZES, config_for, write_checkpoint  # noqa: E402
 from memory_cap import ROOT as CGROUP_ROOT  # noqa: E402
 from memory_cap import run_capped  # noqa: E402
+from run_benchmarks import git_commit  # noqa: E402,F401  (bench/gpu.py reads it from here too)
 
 DEFAULT_SIZE = "qwen7b"
 README_BEGIN = "<!-- scale_7b: begin"
@@ -163,14 +164,6 @@ def machine() -> dict:
     except (OSError, IndexError, ValueError):
         pass
     return info
-
-
-def git_commit() -> str:
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _fmt(x, spec: str = ".2e") -> str:
