@@ -70,8 +70,10 @@ class VariantResult:
     peak_activation_bytes: int  # tensors live at once during one forward pass (first sample), beyond the weights
     memory_method: str
     layer_peaks: list[float]  # residual |x| max after each block (inf where non-finite), over all samples
-    greedy_tokens: list[list[int]]  # per text
-    forward_seconds: float  # all forward passes (not generation)
+    # per text: the reference's generated tokens; a variant's up to and including the first that differs from the
+    # reference's (verify.forced: what its generation picks after the reference's tokens), all where none differs
+    greedy_tokens: list[list[int]]
+    forward_seconds: float  # all forward passes, a variant's teacher-forced greedy forward included (not generation)
     forward_tokens: int
 
     @property

@@ -7,6 +7,7 @@ and one sample's logits are in memory at once.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -25,9 +26,12 @@ from ..forward import logits as forward_logits
 from ..progress import phase
 from .accumulator import Accumulator, matched_prefix
 from .block_peaks import BlockPeaks
+from .forced import capturing_processors, forced_rows, forced_tokens, start_length
 from .memory import parameter_bytes, peak_memory
 from .report import VariantResult
 from .variants import Variant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,13 +69,21 @@ def greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, cache_bytes: in
     its embeddings and head throughout and keeps up to `cache_bytes` of its blocks' weights loaded between tokens
     (`resident`); the blocks that do not fit are read again for every token. `use_cache=False` (tests: the same
     generation without a cache) runs the whole sequence for every token; `logits`, given a list, receives each step's."""
+    sequence = generate(model, prompt, n, cache_bytes, use_cache, logits)
+    return sequence[0, start_length(model, prompt):].tolist()
+
+
+def generate(model: PreTrainedModel, prompt: torch.Tensor, n: int, cache_bytes: int = 0, use_cache: bool = True,
+             logits: list | None = None, processors: list | None = None) -> torch.Tensor:
+    """`greedy`'s whole generated sequence [1, start + n] (the prompt, or an encoder-decoder's start token, then the
+    tokens), on the CPU; `processors`, given a list, receives the logits processors generate used (halfsafe.verify.forced)."""
     from ..engine.streamed import resident, stem_held
 
-    with stem_held(model), resident(model, cache_bytes):
+    with stem_held(model), resident(model, cache_bytes), capturing_processors(model, processors if processors is not None else []):
         return _greedy(model, prompt, n, use_cache, logits)
 
 
-def _greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, use_cache: bool, logits: list | None) -> list[int]:
+def _greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, use_cache: bool, logits: list | None) -> torch.Tensor:
     prompt = prompt.to(compute_device(model))
     gen = GenerationConfig(
         do_sample=False, num_beams=1, max_new_tokens=n, min_new_tokens=n,
@@ -85,8 +97,7 @@ def _greedy(model: PreTrainedModel, prompt: torch.Tensor, n: int, use_cache: boo
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
     if logits is not None:
         logits.extend(step[0].float().cpu() for step in out.logits)
-    start = 1 if is_encoder_decoder(model) else prompt.shape[1]
-    return out.sequences[0, start:].tolist()
+    return out.sequences.cpu()
 
 
 class ReferenceCache:
@@ -97,6 +108,11 @@ class ReferenceCache:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.greedy: list[list[int]] = []
+        # per text: the reference's generated sequence, the logits processors its generate used, and whether its own
+        # teacher-forced forward gave its generated tokens back (then the variants' greedy comes from one such forward)
+        self.sequences: list[torch.Tensor] = []
+        self.processors: list = []
+        self.forced: list[bool] = []
         self.shapes: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def _path(self, t: int, s: int) -> Path:
@@ -147,6 +163,32 @@ class Runner:
         """Run `model` and compare it with the stored reference."""
         return self._run(model, variant, reference=False)
 
+    def _generate(self, model: PreTrainedModel, variant: Variant, t: int, text: str, logit_bytes: int, reference: bool) -> list[int]:
+        """Greedy generation, token by token, from text t's prompt. The reference's also keeps its sequence and logits
+        processors and checks that one teacher-forced forward gives its tokens back (verify.forced): if so, the
+        variants' greedy agreement on this text comes from one forward each."""
+        self.progress(f"{variant.name}: greedy generation, text {t + 1}")
+        prompt, built = self.inputs.prompts[t], []
+        # blocks stay loaded between tokens up to the bytes one sample's float32 logits took: generation then needs no
+        # more memory than the forward passes did
+        with self.reads.phase(model, f"{variant.name} greedy"), \
+                phase(f"{variant.name} greedy{text}", model, passes=self.greedy_tokens, unit="tokens"):
+            sequence = generate(model, prompt, self.greedy_tokens, cache_bytes=logit_bytes, processors=built)
+        start = start_length(model, prompt)
+        toks = sequence[0, start:].tolist()
+        if reference:
+            ok = len(built) == 1
+            if ok:
+                with self.reads.phase(model, f"{variant.name} greedy"), phase(f"{variant.name} greedy check{text}", model):
+                    ok = forced_tokens(forced_rows(model, prompt, sequence), sequence, start, built[0]) == toks
+            if not ok:
+                log.warning("text %d: one forward over fp32's generated tokens does not give them back; every variant "
+                            "generates its greedy tokens one by one", t + 1)
+            self.refs.sequences.append(sequence)
+            self.refs.processors.append(built[0] if built else None)
+            self.refs.forced.append(ok)
+        return toks
+
     @torch.no_grad()
     def _run(self, model: PreTrainedModel, variant: Variant, reference: bool) -> VariantResult:
         lm = predicts_tokens(model)
@@ -179,6 +221,18 @@ class Runner:
                     comparing += time.perf_counter() - began
 
                 runs = [partial(forward, s, ids) for s, ids in enumerate(text_samples)]
+                greedy_here = self.greedy_tokens > 0 and model.can_generate()
+                forced = greedy_here and not reference and self.refs.forced[t]
+                if forced:  # the variant's greedy agreement from one forward, in step with its samples' (verify.forced)
+                    runs.append(partial(forced_rows, model, self.inputs.prompts[t], self.refs.sequences[t]))
+                n_samples, got = len(text_samples), {}
+
+                def then(i, out):
+                    if i < n_samples:
+                        take(i, out)
+                    else:
+                        got["rows"] = out
+
                 # the samples in step (each unit read once for all), compared one at a time in order; CUDA counts every
                 # allocation, so there the measured first sample runs alone
                 alone = 1 if t == 0 and device.type == "cuda" else 0
@@ -186,18 +240,17 @@ class Runner:
                 text = "" if len(self.inputs.samples) == 1 else f", text {t + 1}"
                 with self.reads.phase(model, variant.name), phase(f"{variant.name}{text}", model, passes=len(runs), pass_name=None):
                     for lo, hi in ((0, alone), (alone, len(runs))):
-                        in_step(model, runs[lo:hi], then=lambda i, out, lo=lo: take(lo + i, out))
+                        in_step(model, runs[lo:hi], then=lambda i, out, lo=lo: then(lo + i, out))
                 seconds += time.perf_counter() - start - comparing
-                tokens += sum(ids.numel() for ids in text_samples)
+                tokens += sum(ids.numel() for ids in text_samples) + (self.refs.sequences[t].shape[1] - 1 if forced else 0)
                 if measured:
                     peak_act, method = measured["bytes"], measured["method"]
-                if self.greedy_tokens > 0 and model.can_generate():
-                    self.progress(f"{variant.name}: greedy generation, text {t + 1}")
-                    # blocks stay loaded between tokens up to the bytes one sample's float32 logits took above:
-                    # generation then needs no more memory than the forward passes did
-                    with self.reads.phase(model, f"{variant.name} greedy"), \
-                            phase(f"{variant.name} greedy{text}", model, passes=self.greedy_tokens, unit="tokens"):
-                        toks = greedy(model, self.inputs.prompts[t], self.greedy_tokens, cache_bytes=logit_bytes)
+                if forced:
+                    start = start_length(model, self.inputs.prompts[t])
+                    toks = forced_tokens(got.pop("rows"), self.refs.sequences[t], start, self.refs.processors[t])
+                elif greedy_here:
+                    toks = self._generate(model, variant, t, text, logit_bytes, reference)
+                if greedy_here:
                     greedy_all.append(toks)
                     ref_toks = toks if reference else self.refs.greedy[t]
                     acc.add_greedy(matched_prefix(ref_toks, toks), len(ref_toks))
