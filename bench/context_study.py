@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from halfsafe.calibration import default_text, heldout_text
-from halfsafe.fixtures import cache_dir
-from halfsafe.formats import FP16_MAX
-from halfsafe.layers import find_blocks
+from halfsafe.core.formats import FP16_MAX
+from halfsafe.core.sites import find_blocks
+from halfsafe.io.builtin import cache_dir
 
 RESULTS = Path(__file__).parent / "results"
 CACHE = cache_dir() / "context_study"  # per-position arrays of every finished pass (not in the repository)
@@ -231,8 +231,8 @@ def stream_ids(tok, n_tokens: int, bos: bool) -> tuple[torch.Tensor, int]:
 
 
 def study_gemma(lengths: list[int], quick: bool) -> dict:
-    from halfsafe.fixtures import gemma3_270m_folder
-    from halfsafe.loading import load_model
+    from halfsafe.io.builtin import gemma3_270m_folder
+    from halfsafe.io.loading import load_model
 
     loaded = load_model(str(gemma3_270m_folder()))
     model, tok = loaded.model.eval(), loaded.tokenizer
@@ -377,7 +377,6 @@ def fmt(x: float) -> str:
 
 
 def markdown(data: dict) -> str:
-    g = data.get("gemma")
     lines = [f"Activation peaks vs context length, position and language. Command: `python bench/context_study.py`. "
              f"Machine: {data['environment']}.", ""]
     for key in ("gemma", "minilm"):

@@ -40,7 +40,7 @@ def measure(args: list[str], cap_x: float) -> dict:
 
 
 def main() -> int:
-    from halfsafe.fixtures import gemma3_270m_folder
+    from halfsafe.io.builtin import gemma3_270m_folder
 
     gemma3_270m_folder()  # build the fixture first, outside the measurements
     run = run_info()

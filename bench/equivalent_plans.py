@@ -31,16 +31,16 @@ import torch  # noqa: E402
 
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.convert import EVAL_TOKENS, default_samples  # noqa: E402
+from halfsafe.core.groups import expand  # noqa: E402
+from halfsafe.core.metrics import mean_kl, top1_agreement  # noqa: E402
+from halfsafe.core.rewrite import trial  # noqa: E402
+from halfsafe.engine.forward import logits as forward_logits  # noqa: E402
+from halfsafe.engine.forward import prefix  # noqa: E402
+from halfsafe.engine.precision import cast_copy  # noqa: E402
 from halfsafe.families import family_for  # noqa: E402
-from halfsafe.fixtures import gemma3_270m_folder  # noqa: E402
-from halfsafe.forward import logits as forward_logits  # noqa: E402
-from halfsafe.forward import prefix  # noqa: E402
-from halfsafe.groups import expand  # noqa: E402
-from halfsafe.loading import load_model  # noqa: E402
-from halfsafe.metrics import mean_kl, top1_agreement  # noqa: E402
-from halfsafe.precision import cast_copy  # noqa: E402
-from halfsafe.rewrite import trial  # noqa: E402
-from halfsafe.runtime import keep_residual_fp32  # noqa: E402
+from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
+from halfsafe.io.loading import load_model  # noqa: E402
+from halfsafe.runtime.baselines import keep_residual_fp32  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run_benchmarks import RESULTS, git_commit  # noqa: E402

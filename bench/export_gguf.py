@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from halfsafe.export.gguf import compare_gguf, convert_with_llama_cpp, prepare_for_llama_cpp
-from halfsafe.fixtures import cache_dir
+from halfsafe.io.builtin import cache_dir
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -33,7 +33,7 @@ def llama_cpp_logits(gguf_path: Path, converted: Path, tokens: int = 64) -> dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from halfsafe.calibration import heldout_text, make_samples
-    from halfsafe.metrics import kl_per_token, top1_agreement
+    from halfsafe.core.metrics import kl_per_token, top1_agreement
 
     tok = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()

@@ -22,11 +22,11 @@ import torch
 
 from halfsafe.calibration import heldout_text, make_samples
 from halfsafe.convert import convert_checkpoint
+from halfsafe.core.metrics import kl_per_token, top1_agreement
+from halfsafe.core.sites import find_blocks
 from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, add_residual_clamps, export_onnx, inspect_file, versions
-from halfsafe.fixtures import cache_dir, gemma3_270m_folder
-from halfsafe.layers import find_blocks
-from halfsafe.loading import load_model
-from halfsafe.metrics import kl_per_token, top1_agreement
+from halfsafe.io.builtin import cache_dir, gemma3_270m_folder
+from halfsafe.io.loading import load_model
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -53,7 +53,7 @@ def load(name: str, seq_len: int, n_batches: int, batch: int):
         model = _stress(name.split(":", 1)[1])
         tokenizer = None
     else:
-        from halfsafe.loading import load_model
+        from halfsafe.io.loading import load_model
 
         loaded = load_model(name)
         model, tokenizer = loaded.model, loaded.tokenizer

@@ -1,4 +1,4 @@
-"""How close the emulated float16 arithmetic (halfsafe.fp16_arith) is to PyTorch's float16 kernels, against how close
+"""How close the emulated float16 arithmetic (halfsafe.engine.fp16_arith) is to PyTorch's float16 kernels, against how close
 two of PyTorch's float16 kernels are to each other: on this CPU oneDNN's AVX512-FP16 kernels, and the same ops with
 oneDNN held to AVX512_CORE (ONEDNN_MAX_CPU_ISA, set before torch starts: a second process), the kernels a CPU
 without AVX512-FP16 runs. Every tiny family (tests/tiny, 24 tokens) and Gemma 3 270M (128 tokens of the embedded
@@ -28,8 +28,8 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 def runs(folder: Path, gemma: bool, arith: str) -> None:
     """Write every case's fp16 logits computed with `arith` into folder/<case>.pt."""
-    from halfsafe.forward import logits
-    from halfsafe.precision import in_dtype
+    from halfsafe.engine.forward import logits
+    from halfsafe.engine.precision import in_dtype
     from tests.tiny import TINY, make_tiny, tiny_ids
 
     torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def runs(folder: Path, gemma: bool, arith: str) -> None:
             torch.save(logits(half, tiny_ids(model, 24)), folder / f"{key}.pt")
     if gemma:
         from halfsafe.calibration import default_text
-        from halfsafe.loading import load_model
+        from halfsafe.io.loading import load_model
 
         torch.set_num_threads(2)
         loaded = load_model("gemma3-270m", stream=True)

@@ -1,5 +1,5 @@
 """What one float16 trial costs (a convert candidate: the model in float16 on 128 tokens, as convert's
-evaluate_candidate runs it), with PyTorch's float16 kernels and with the emulation (halfsafe.fp16_arith), on this
+evaluate_candidate runs it), with PyTorch's float16 kernels and with the emulation (halfsafe.engine.fp16_arith), on this
 CPU as it is and with oneDNN held to AVX512_CORE (ONEDNN_MAX_CPU_ISA, a second process: the float16 matrix kernels
 of a CPU without AVX512-FP16). Wall and CPU seconds of the second of two runs, and whether the logits are equal.
 
@@ -24,9 +24,9 @@ TOKENS = 128
 
 def trial(source: str) -> str:
     from halfsafe.calibration import default_text
-    from halfsafe.forward import logits
-    from halfsafe.loading import load_model
-    from halfsafe.precision import in_dtype
+    from halfsafe.engine.forward import logits
+    from halfsafe.engine.precision import in_dtype
+    from halfsafe.io.loading import load_model
 
     loaded = load_model(source, stream=True)
     vocab = loaded.model.config.vocab_size

@@ -34,8 +34,8 @@ import torch
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.convert import convert_checkpoint
-from halfsafe.loading import load_model
-from halfsafe.runtime import keep_residual_fp32
+from halfsafe.io.loading import load_model
+from halfsafe.runtime.baselines import keep_residual_fp32
 
 
 def _sync(device: torch.device) -> None:

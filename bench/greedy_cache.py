@@ -1,10 +1,15 @@
 """Greedy generation on the Gemma 3 270M fixture, streamed fp32 as verify runs it (16-token prompt, N tokens, default
 32): with the model's KV cache (verify) and without (every token re-runs the sequence). Output: bench/results/greedy_cache.txt
 (run: PYTHONPATH=src python bench/greedy_cache.py 32)."""
-import time, sys, torch
-from halfsafe.loading import load_model
-from halfsafe.verify import greedy
+import sys
+import time
+
+import torch
+
 from halfsafe.calibration import heldout_text, make_samples
+from halfsafe.io.loading import load_model
+from halfsafe.verify import greedy
+
 loaded = load_model("gemma3-270m", torch.float32, stream=True)
 m = loaded.model
 ids = make_samples([heldout_text()], loaded.tokenizer, m.config.get_text_config().vocab_size, 512, 1)[0][:, :16]

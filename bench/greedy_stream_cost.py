@@ -12,7 +12,7 @@ import time
 import torch
 
 from halfsafe.calibration import heldout_text, make_samples
-from halfsafe.loading import load_model
+from halfsafe.io.loading import load_model
 from halfsafe.verify.runner import greedy
 
 

@@ -45,10 +45,10 @@ def timed(fn, repeat: int = 3) -> tuple[float, int]:
 
 def main() -> None:
     from halfsafe.engine.shards import Shards
-    from halfsafe.fixtures import gemma3_270m_folder
-    from halfsafe.loading import load_model, model_class_for, read_config
-    from halfsafe.trust import check_folder
-    from halfsafe.validate import check_config, check_finite
+    from halfsafe.io.builtin import gemma3_270m_folder
+    from halfsafe.io.loading import load_model, model_class_for, read_config
+    from halfsafe.io.trust import check_folder
+    from halfsafe.io.validate import check_config, check_finite
 
     folder = gemma3_270m_folder()
     config, shards = read_config(folder), Shards(folder)

@@ -2,7 +2,7 @@
 """Gemma 3 270M converted with default settings: fidelity on held-out text and a long-context check.
 
 1. `convert_checkpoint("gemma3-270m", OUT)`, as `halfsafe convert gemma3-270m OUT` does (default margin: made
-   for the model's full context, see halfsafe.margin); the candidates table is saved.
+   for the model's full context, see halfsafe.core.margin); the candidates table is saved.
 2. `verify` on the embedded held-out text with the benchmark's settings (3 samples of up to 1024 tokens):
    bf16 and halfsafe fp16 against fp32 (the goal: KL at least 64x below bf16).
 3. `verify` at --seq-len tokens (default 4096; `halfsafe verify gemma3-270m OUT --seq-len 4096 --text FILE`
@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from halfsafe.calibration import heldout_text  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
-from halfsafe.fixtures import cache_dir  # noqa: E402
+from halfsafe.io.builtin import cache_dir  # noqa: E402
 from halfsafe.verify import BF16, HALFSAFE, environment, verify  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -15,10 +15,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import sys
-import tomllib
 from collections import Counter
 from pathlib import Path
 
+import tomllib
 from mutmut.stats import status_by_exit_code
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -55,14 +55,16 @@ def main() -> None:
     s = Sampler()
     s.start()
     start = time.time()
-    import halfsafe  # noqa: F401
     import torch  # noqa: F401
     import transformers  # noqa: F401
+
+    import halfsafe  # noqa: F401
 
     s.step = "import"
     time.sleep(0.05)
     if what == "demo":
-        from halfsafe.cli import console, main as cli_main
+        from halfsafe.cli import console
+        from halfsafe.cli import main as cli_main
 
         console.quiet = True
         steps = iter(["scan", "convert", "verify"])

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Probe time on the Gemma 3 270M fixture: the model itself (streamed block by block, as convert loads it)
-against a shrunk random copy (halfsafe.shrink), and whether the two agree on every constraint the planner uses
+against a shrunk random copy (halfsafe.core.shrink), and whether the two agree on every constraint the planner uses
 (entries with a non-zero power).
 
     PYTHONPATH=src .venv/bin/python bench/probe_shrink.py
@@ -12,12 +12,12 @@ import time
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.convert import PROBE_TOKENS
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.shrink import probe_governed, shrunk_model
+from halfsafe.engine.forward import prefix
 from halfsafe.families import family_for
-from halfsafe.forward import prefix
-from halfsafe.groups import expand
-from halfsafe.loading import load_model
-from halfsafe.probe import probe
-from halfsafe.shrink import probe_governed, shrunk_model
+from halfsafe.io.loading import load_model
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import copy
 import datetime as dt
 import hashlib
 import json
-import math
 import os
 import shlex
 import sys
@@ -45,7 +44,15 @@ import torch  # noqa: E402
 import halfsafe  # noqa: E402
 from halfsafe.calibration import default_text, heldout_text, make_samples  # noqa: E402
 from halfsafe.verify import (  # noqa: E402
-    ALL_VARIANTS, FP16, HALFSAFE, REFERENCE, VerifyReport, environment, markdown_table, verify, write_plots,
+    ALL_VARIANTS,
+    FP16,
+    HALFSAFE,
+    REFERENCE,
+    VerifyReport,
+    environment,
+    markdown_table,
+    verify,
+    write_plots,
 )
 
 T0 = time.perf_counter()
@@ -112,7 +119,7 @@ def write(name: str, data: dict, markdown: str) -> None:
 
 def converted_gemma3(reconvert: bool) -> tuple[Path, dict]:
     from halfsafe.convert import convert_checkpoint
-    from halfsafe.fixtures import cache_dir
+    from halfsafe.io.builtin import cache_dir
 
     folder = cache_dir() / "bench" / f"gemma3-270m-fp16-{source_hash()}"
     info = {"folder": str(folder), "settings": "convert_checkpoint('gemma3-270m', OUT) defaults (= halfsafe convert gemma3-270m OUT)"}
@@ -176,8 +183,9 @@ def cuda_speed(converted: Path, seq_len: int, decode_tokens: int, device: str = 
     """Prefill and decode tokens/s and peak GPU memory: bf16 vs halfsafe fp16 vs the fp32-residual variants.
     (`device="cpu"` runs the same code without memory figures, as a smoke test.)"""
     from halfsafe.calibration import heldout_text as held
-    from halfsafe.loading import load_model, model_class_for, read_config
-    from halfsafe.runtime import keep_residual_fp32, load_pure_fp16
+    from halfsafe.io.loading import load_model, model_class_for, read_config
+    from halfsafe.runtime.baselines import keep_residual_fp32
+    from halfsafe.runtime.fp16 import load_pure_fp16
     from halfsafe.verify import greedy
 
     dev = torch.device(device)
@@ -270,9 +278,10 @@ def cuda_markdown(cuda: dict, run: dict) -> str:
 def stress_model(key: str):
     """A tiny random model made to overflow fp16 in its activations only (tests/stress.py: a few massive residual
     channels growing with depth, every weight under 65504), built without halfsafe's rescaling code."""
-    from halfsafe.forward import logits
     from stress import make_stress
     from tiny import make_tiny
+
+    from halfsafe.engine.forward import logits
 
     model = make_tiny(key)
     vocab = model.config.get_text_config().vocab_size
@@ -282,9 +291,10 @@ def stress_model(key: str):
 
 
 def bench_tiny(args, run: dict) -> None:
-    from halfsafe.convert import make_fp16_safe
-    from halfsafe.precision import cast_copy
     from tiny import TINY
+
+    from halfsafe.convert import make_fp16_safe
+    from halfsafe.engine.precision import cast_copy
 
     keys = args.tiny_keys.split(",") if args.tiny_keys else sorted(TINY)
     rows, per_key = [], {}

@@ -20,12 +20,13 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from halfsafe import emulate  # noqa: E402
-from halfsafe.emulate import emulate_runtime, is_linear, is_rms_norm  # noqa: E402
-from halfsafe.errors import HalfsafeError  # noqa: E402
-from halfsafe.forward import logits  # noqa: E402
-from halfsafe.precision import cast_copy  # noqa: E402
 from tiny import TINY, make_tiny, tiny_ids  # noqa: E402
+
+from halfsafe.engine.forward import logits  # noqa: E402
+from halfsafe.engine.precision import cast_copy  # noqa: E402
+from halfsafe.errors import HalfsafeError  # noqa: E402
+from halfsafe.runtime.emulate import emulate_runtime, is_linear, is_rms_norm  # noqa: E402
+from halfsafe.runtime.fp16 import emulate  # noqa: E402
 
 
 def counts(model: nn.Module) -> dict:

@@ -4,7 +4,7 @@
 1. `convert_checkpoint("gemma3-270m", OUT)` (today's default conversion; reused when OUT holds one).
 2. Per profile P: `convert_checkpoint(..., runtime=P)` (the profile-aware checkpoint, or its one-line refusal), then
    `verify(..., runtime=P)` on the embedded held-out text (2 x 128 tokens: fp16 on this CPU is slow): the original
-   in fp16 and today's conversion, each under P's emulated arithmetic (halfsafe.emulate), and the profile-aware
+   in fp16 and today's conversion, each under P's emulated arithmetic (halfsafe.runtime.emulate), and the profile-aware
    checkpoint under P. bf16 is PyTorch's bf16 (the runtimes these profiles describe have none).
 Cells: KL(fp32 || variant) per token, top-1 agreement; NaN: non-finite logits; "collapsed": finite logits whose rows
 became near-uniform or whose top-1 is one token nearly everywhere (halfsafe.verify.report.Metrics.collapsed).
@@ -29,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from halfsafe.calibration import heldout_text  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.errors import HalfsafeError  # noqa: E402
-from halfsafe.fixtures import cache_dir, gemma3_270m_folder  # noqa: E402
-from halfsafe.runtimes import PROFILES  # noqa: E402
+from halfsafe.io.builtin import cache_dir, gemma3_270m_folder  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES  # noqa: E402
 from halfsafe.verify import BF16, FP16, HALFSAFE, environment, verify  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -157,7 +157,7 @@ def write(data: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "runtime_profiles.json").write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
     lines = [
-        f"Gemma 3 270M under runtime profiles (halfsafe.runtimes, emulated on CPU by halfsafe.emulate), embedded held-out "
+        f"Gemma 3 270M under runtime profiles (halfsafe.runtime.profiles, emulated on CPU by halfsafe.runtime.emulate), embedded held-out "
         f"text, {data['tokens']} tokens, KL(fp32 ‖ variant) per token (top-1 agreement). Original and today's conversion "
         f"(residual 2^{data['rows'][0]['today_residual'] if data['rows'] else '?'}) run in fp16 under the profile; the "
         "profile-aware checkpoint is `halfsafe convert --runtime P`. bf16: PyTorch's bf16, for scale.",

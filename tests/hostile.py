@@ -7,11 +7,12 @@ import hashlib
 import os
 from pathlib import Path
 
-from halfsafe.cli import main
-from halfsafe.families import family_for
-from halfsafe.groups import expand
-from halfsafe.plan import Plan
 from tiny import make_tiny
+
+from halfsafe.cli import main
+from halfsafe.core.groups import expand
+from halfsafe.core.plan import Plan
+from halfsafe.families import family_for
 
 SHORT = ["--seq-len", "32", "--max-samples", "1"]
 

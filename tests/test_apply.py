@@ -8,16 +8,16 @@ import json
 
 import pytest
 import torch
+from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
 from safetensors.torch import load_file
+from stress import make_stress
+from tiny import make_tiny, save_tiny
 from transformers import AutoModelForCausalLM
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
-from halfsafe.forward import logits
-from halfsafe.plan import PLAN_FORMAT, Plan
-from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
-from stress import make_stress
-from tiny import make_tiny, save_tiny
+from halfsafe.core.plan import PLAN_FORMAT, Plan
+from halfsafe.engine.forward import logits
 
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
 

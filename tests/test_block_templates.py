@@ -4,14 +4,14 @@ layer's last norm does) and `{last}` (the last block, in a whole-model group). B
 from __future__ import annotations
 
 import pytest
+from tiny import make_tiny, tiny_ids
 from transformers import BartConfig, BertConfig
 
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import _passes, probe
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import Family, GroupSpec, Move, family_for
-from halfsafe.groups import expand
-from halfsafe.loading import model_class_for
-from halfsafe.probe import _passes, probe
-from tiny import make_tiny, tiny_ids
+from halfsafe.io.loading import model_class_for
 
 L, N, LAST = "bert.encoder.layer.{i}", "bert.encoder.layer.{i+1}", "bert.encoder.layer.{last}"
 

@@ -13,22 +13,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from stress import activation_peak, make_stress
+from tiny import make_tiny, tiny_ids
 from transformers import AutoModelForCausalLM
 
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.cli import main
 from halfsafe.convert import EVAL_TOKENS, make_fp16_safe, plan_fp16_safe
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.core.sites import find_blocks
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import UnfixableOverflowError, UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.families.spec import Move
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.layers import find_blocks
-from halfsafe.precision import cast_copy
-from halfsafe.probe import probe
-from halfsafe.rewrite import apply_exponents_
-from stress import activation_peak, make_stress
-from tiny import make_tiny, tiny_ids
 
 FP16_MAX = 65504.0
 SEQ, SAMPLES = 32, 2

@@ -11,28 +11,40 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny import make_tiny
 
 import halfsafe.calibration
-import halfsafe.checkpoint
-import halfsafe.loading
+import halfsafe.io.checkpoint
+import halfsafe.io.loading
 from halfsafe import convert
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.convert import (
-    EVAL_TOKENS, Candidate, ConversionReport, _eval_ids, _layers_after, _problems, apply_checkpoint, apply_plan_,
-    candidate_exponents, choose_candidate, convert_checkpoint, default_samples, keeps_margin, storage_error,
+    EVAL_TOKENS,
+    Candidate,
+    ConversionReport,
+    _eval_ids,
+    _layers_after,
+    _problems,
+    apply_checkpoint,
+    apply_plan_,
+    candidate_exponents,
+    choose_candidate,
+    convert_checkpoint,
+    default_samples,
+    keeps_margin,
+    storage_error,
 )
-from halfsafe.checkpoint import shard_size
-from halfsafe.loading import input_paths
+from halfsafe.core.groups import Group, expand
+from halfsafe.core.margin import Margin
+from halfsafe.core.plan import Constraint, Plan
+from halfsafe.core.stats import SiteStats
 from halfsafe.engine.reads import Reads
 from halfsafe.engine.write import DEFAULT_MAX_SHARD_SIZE
 from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import family_for
-from halfsafe.groups import Group, expand
-from halfsafe.margin import Margin
-from halfsafe.plan import Constraint, Plan
+from halfsafe.io.checkpoint import shard_size
+from halfsafe.io.loading import input_paths
 from halfsafe.scan import LayerPeak, ScanReport
-from halfsafe.stats import SiteStats
-from tiny import make_tiny
 
 B = math.log2(65504.0)  # 15.99930: float16's largest value in bits
 
@@ -393,10 +405,10 @@ def recorded(monkeypatch):
             return result() if callable(result) else result
         return f
 
-    monkeypatch.setattr(halfsafe.checkpoint, "check_out_dir", record("check"))
-    monkeypatch.setattr(halfsafe.checkpoint, "output_bytes", lambda m: 12345 if m is loaded.model else -1)
-    monkeypatch.setattr(halfsafe.checkpoint, "save_fp16_checkpoint", record("save"))
-    monkeypatch.setattr(halfsafe.loading, "load_model", record("load", loaded))
+    monkeypatch.setattr(halfsafe.io.checkpoint, "check_out_dir", record("check"))
+    monkeypatch.setattr(halfsafe.io.checkpoint, "output_bytes", lambda m: 12345 if m is loaded.model else -1)
+    monkeypatch.setattr(halfsafe.io.checkpoint, "save_fp16_checkpoint", record("save"))
+    monkeypatch.setattr(halfsafe.io.loading, "load_model", record("load", loaded))
     monkeypatch.setattr(halfsafe.calibration, "long_sample_ids", record("long", "LONG"))
     monkeypatch.setattr(convert, "resolve_device", lambda d: f"resolved {d}")
     monkeypatch.setattr(convert, "make_samples", record("samples", lambda: [sample]))

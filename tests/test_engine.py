@@ -10,15 +10,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from halfsafe.checkpoint import save_fp16_checkpoint
+from halfsafe.core.groups import expand
+from halfsafe.core.rewrite import apply_exponents_, trial
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import in_dtype
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.loading import load_model
-from halfsafe.precision import in_dtype
-from halfsafe.rewrite import apply_exponents_, trial
+from halfsafe.io.checkpoint import save_fp16_checkpoint
+from halfsafe.io.loading import load_model
 from tests.same_run import assert_same_run
 from tests.tiny import TINY, random_exponents, save_tiny, tiny_ids
 
@@ -140,9 +140,9 @@ def test_sharded_output_with_index_loads_in_transformers(tmp_path):
 def test_default_shard_size_is_the_hubs_5gb_in_the_api_and_the_cli():
     from huggingface_hub.serialization._base import MAX_SHARD_SIZE
 
-    from halfsafe.checkpoint import shard_size
     from halfsafe.cli import build_parser
     from halfsafe.engine.write import DEFAULT_MAX_SHARD_SIZE
+    from halfsafe.io.checkpoint import shard_size
 
     assert shard_size(DEFAULT_MAX_SHARD_SIZE) == shard_size(MAX_SHARD_SIZE) == 5 * 10**9
     assert build_parser().parse_args(["convert", "m", "out"]).max_shard_size == 5 * 10**9
@@ -152,7 +152,7 @@ def test_default_shard_size_is_the_hubs_5gb_in_the_api_and_the_cli():
 def test_past_the_limit_streamed_and_whole_write_the_same_shards_and_index(key, tmp_path):
     """A checkpoint bigger than the (test-sized) limit: the streamed writer's shards and index are save_pretrained's,
     byte for byte, and transformers loads them; under the limit both write one model.safetensors, no index."""
-    from halfsafe.loading import model_class_for
+    from halfsafe.io.loading import model_class_for
 
     whole, streamed = _pair(key, tmp_path / "src")
     limit = (tmp_path / "src/model.safetensors").stat().st_size // 2  # float32 source: the fp16 output is about one half

@@ -8,14 +8,14 @@ import copy
 
 import pytest
 import transformers
+from tiny import TINY
 
+from halfsafe.core.groups import eps_scopes, expand
+from halfsafe.core.rewrite import scale_eps_
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.families.spec import EpsScope
-from halfsafe.groups import eps_scopes, expand
-from halfsafe.loading import model_class_for
-from halfsafe.rewrite import scale_eps_
-from tiny import TINY
+from halfsafe.io.loading import model_class_for
 
 
 def _build(key: str, cls=None):

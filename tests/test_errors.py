@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from hostile import SHORT, refused
 from safetensors.torch import load_file, save_file
+from tiny import save_tiny
 
 from halfsafe.cli import main
-from hostile import SHORT, refused
-from tiny import save_tiny
 
 
 def _run(capsys, *argv: str) -> str:
@@ -136,7 +136,7 @@ def test_a_config_that_disagrees_with_the_weights_is_refused_fast(model, capsys,
 
 
 def test_a_shard_larger_than_this_machine_can_map_is_refused(model, capsys):
-    from halfsafe.validate import mappable_bytes
+    from halfsafe.io.validate import mappable_bytes
 
     limit = mappable_bytes()
     if limit is None:

@@ -23,32 +23,32 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+import jsclient  # noqa: E402
 import onnx  # noqa: E402
+from jsclient import save_char_tokenizer  # noqa: E402
+from tiny import make_tiny, save_tiny, tiny_ids  # noqa: E402
 
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.cli import main  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
+from halfsafe.core.groups import expand  # noqa: E402
+from halfsafe.core.metrics import mean_kl  # noqa: E402
+from halfsafe.core.probe import probe  # noqa: E402
+from halfsafe.core.rewrite import apply_exponents_  # noqa: E402
+from halfsafe.core.sites import find_blocks  # noqa: E402
 from halfsafe.errors import UnsupportedModelError  # noqa: E402
 from halfsafe.export.onnx import (  # noqa: E402
     ONNX_FILE,
-    report_for,
     OnnxDecoder,
     add_residual_clamps,
     export_onnx,
     inspect_file,
+    report_for,
     residual_adds,
 )
 from halfsafe.export.onnx_seq2seq import DECODER_FILE, ENCODER_FILE  # noqa: E402
 from halfsafe.families import family_for  # noqa: E402
-from halfsafe.groups import expand  # noqa: E402
-from halfsafe.layers import find_blocks  # noqa: E402
-from halfsafe.metrics import mean_kl  # noqa: E402
-from halfsafe.probe import probe  # noqa: E402
-from halfsafe.rewrite import apply_exponents_  # noqa: E402
 from halfsafe.scan import scan  # noqa: E402
-import jsclient  # noqa: E402
-from jsclient import save_char_tokenizer  # noqa: E402
-from tiny import make_tiny, save_tiny, tiny_ids  # noqa: E402
 
 GREEDY = 24  # tokens generated with the KV cache (past the tiny Gemma 3's sliding window of 8)
 
@@ -399,7 +399,7 @@ def test_seq2seq_layout(seq2seq, key):
     assert any(folder.glob("*.safetensors")) == (key == "t5-v1_1") and (folder / "halfsafe.json").is_file()
     config = json.loads((folder / "config.json").read_text())
     assert config["transformers.js_config"] == {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
-    from halfsafe.loading import read_config
+    from halfsafe.io.loading import read_config
 
     layers = _kv(read_config(folder))[0]
     encoder = inspect_file(folder / ENCODER_FILE)

@@ -17,15 +17,15 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
+import jsclient  # noqa: E402
 import onnx  # noqa: E402
+from tiny import TINY, make_tiny  # noqa: E402
 
 from halfsafe.cli import main  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.errors import UnsupportedModelError  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE, _scopes, export_onnx  # noqa: E402
-from halfsafe.loading import model_class_for  # noqa: E402
-import jsclient  # noqa: E402
-from tiny import TINY, make_tiny  # noqa: E402
+from halfsafe.io.loading import model_class_for  # noqa: E402
 
 # model class -> (tiny config key, the graph's output, the transformers.js task)
 MODELS = {
@@ -71,7 +71,7 @@ def encoders(tmp_path_factory):
 def _fp32(root, name: str, text: str):
     from transformers import AutoTokenizer
 
-    from halfsafe.loading import read_config
+    from halfsafe.io.loading import read_config
 
     folder = root / f"{name}-converted"
     tokenizer = AutoTokenizer.from_pretrained(folder)

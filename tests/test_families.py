@@ -3,19 +3,18 @@ model whose residual stream was blown past float16's range."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-from halfsafe.convert import make_fp16_safe
-from halfsafe.families import REGISTRY, family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand, select_parts
-from halfsafe.metrics import mean_kl
-from halfsafe.precision import cast_copy
-from halfsafe.rewrite import apply_exponents_
 from stress import make_stress, weight_peak
 from tiny import TINY, make_tiny, random_exponents, tiny_ids
+
+from halfsafe.convert import make_fp16_safe
+from halfsafe.core.groups import expand, select_parts
+from halfsafe.core.metrics import mean_kl
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
+from halfsafe.families import REGISTRY, family_for
 
 KEYS = sorted(TINY)
 EXACT_CHANGE = 1e-6  # measured 0 on every family but pegasus

@@ -9,21 +9,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tiny import make_tiny, random_exponents, save_tiny, tiny_ids
 from transformers import Gemma3nConfig
 
 from halfsafe.convert import convert_checkpoint
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import image_prompt, logits, model_inputs
+from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
-from halfsafe.forward import image_prompt, logits, model_inputs
-from halfsafe.groups import expand
-from halfsafe.probe import probe
-from halfsafe.rewrite import apply_exponents_
-from halfsafe.baselines import clamp_residual_adds
-from halfsafe.precision import cast_copy
-from halfsafe.runtime import keep_residual_fp32, load_pure_fp16
+from halfsafe.runtime.baselines import clamp_residual_adds, keep_residual_fp32
+from halfsafe.runtime.fp16 import load_pure_fp16
 from halfsafe.scan import scan
 from halfsafe.verify import verify
-from tiny import make_tiny, random_exponents, save_tiny, tiny_ids
 
 
 def _rel(a, b) -> float:

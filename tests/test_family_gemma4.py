@@ -6,19 +6,17 @@ import dataclasses
 
 import pytest
 import torch
-
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from transformers import Gemma4ForConditionalGeneration
 
 from halfsafe.cli import main
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
-from halfsafe.families.spec import GroupSpec
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.probe import probe
-from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import collect, layer_peaks
-from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 
 def _rel(a, b) -> float:

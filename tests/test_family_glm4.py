@@ -7,17 +7,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
+from tiny.glm4 import config
 
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.families.spec import Move
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.probe import probe
-from halfsafe.runtime import residual_writers
-from halfsafe.rewrite import apply_exponents_
-from tiny import TINY, make_tiny, random_exponents, tiny_ids
-from tiny.glm4 import config
+from halfsafe.runtime.baselines import residual_writers
 
 
 def _with(family, name, moves):

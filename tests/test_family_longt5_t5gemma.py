@@ -7,17 +7,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from transformers import LongT5Config
-
-from halfsafe.errors import UnsupportedModelError
-from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.probe import probe
-from halfsafe.rewrite import apply_exponents_
 from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from tiny.longt5 import COMMON as LONGT5
 from tiny.t5gemma import config as t5gemma_config
+from transformers import LongT5Config
+
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
+from halfsafe.errors import UnsupportedModelError
+from halfsafe.families import family_for
 
 VARIANTS = {
     "longt5-local": lambda: LongT5Config(**LONGT5, encoder_attention_type="local"),

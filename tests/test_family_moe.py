@@ -10,22 +10,21 @@ import math
 
 import pytest
 import torch
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
-from halfsafe.baselines import clamp_residual_adds
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.groups import expand
+from halfsafe.core.plan import constraints_from, solve
+from halfsafe.core.probe import _passes, probe
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import GroupSpec, Move, family_for
 from halfsafe.families.spec import tied_head
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.loading import model_class_for
-from halfsafe.plan import constraints_from, solve
-from halfsafe.precision import cast_copy
-from halfsafe.probe import _passes, probe
-from halfsafe.rewrite import apply_exponents_
-from halfsafe.runtime import keep_residual_fp32
+from halfsafe.io.loading import model_class_for
+from halfsafe.runtime.baselines import clamp_residual_adds, keep_residual_fp32
 from halfsafe.scan import scan
-from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 MOE_KEYS = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"]
 
@@ -216,7 +215,7 @@ def test_one_experts_overflow_is_seen_and_fixed_by_its_own_pair(key):
     model = make_tiny(key)
     ids = tiny_ids(model, length=16)
     family = family_for(model.config.model_type)
-    groups = expand(family, model)
+    expand(family, model)  # the groups are valid here
     site, group = "model.layers.1.mlp.experts:expert2", "expert_up_down@model.layers.1#2"
     peak = scan(model, [ids], progress=False).sites[site].abs_max
     k = math.ceil(math.log2(4 * 65504 / peak))

@@ -4,22 +4,22 @@ the data caught when the table is built, and the residual writers each family li
 from __future__ import annotations
 
 import ast
-import re
 import pkgutil
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from tiny import TINY, make_tiny
 
 import halfsafe.families as families
+from halfsafe.core.sites import find_blocks
 from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import REFUSED, REGISTRY, family_for, supported_model_types
 from halfsafe.families.registry import FAMILY_MODULES, FamilyDataError, build, load_modules
 from halfsafe.families.spec import Family, GroupSpec, Move
-from halfsafe.layers import find_blocks
-from halfsafe.runtime import residual_writers
-from tiny import TINY, make_tiny
+from halfsafe.runtime.baselines import residual_writers
 
 PACKAGE = Path(families.__file__).parent
 NOT_DATA = {"__init__", "spec", "builders", "registry"}

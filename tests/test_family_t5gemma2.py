@@ -4,16 +4,15 @@ and scan reports the tower. The image is synthetic and deterministic (tests/tiny
 
 from __future__ import annotations
 
-
 import torch
-
-from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.rewrite import apply_exponents_
-from halfsafe.scan import scan
 from tiny import make_tiny, random_exponents
 from tiny.t5gemma2 import EOI, image_inputs
+
+from halfsafe.core.groups import expand
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
+from halfsafe.families import family_for
+from halfsafe.scan import scan
 
 
 def _rel(a, b) -> float:

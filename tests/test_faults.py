@@ -15,10 +15,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from halfsafe.cli import main
 from hostile import SHORT, copy_of, folder_hash, refused
 from tiny import save_tiny
+
+from halfsafe.cli import main
 
 CONVERT = ["--seq-len", "32", "--max-samples", "1"]
 
@@ -43,7 +43,7 @@ def test_unwritable_destination_fails_before_any_work(src, tmp_path, capsys):
 
 
 def test_disk_too_small_is_refused_before_the_slow_part(src, tmp_path, capsys, monkeypatch):
-    import halfsafe.checkpoint as checkpoint
+    import halfsafe.io.checkpoint as checkpoint
 
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     monkeypatch.setattr("halfsafe.convert.make_fp16_safe", lambda *a, **k: pytest.fail("the slow part ran"))
@@ -64,7 +64,7 @@ def small_disk(tmp_path):
 
 
 def test_full_disk_during_the_save_is_a_one_line_error_and_leaves_nothing(src, small_disk, capsys, monkeypatch):
-    import halfsafe.checkpoint as checkpoint
+    import halfsafe.io.checkpoint as checkpoint
 
     # fill the disk but for a little, and let the space check pass: the writes themselves must fail cleanly
     (small_disk / "filler").write_bytes(b"\0" * ((4 << 20) - (96 << 10)))  # 96 KiB left; the checkpoint is ~230 KB
@@ -96,7 +96,7 @@ KILL_AT = {
     """,
     # during the save: after the weights are written, before halfsafe.json and the rename
     "save": """
-        import halfsafe.checkpoint as c
+        import halfsafe.io.checkpoint as c
         real = c.write_weights
         def write_weights(*a, **k):
             bad = real(*a, **k)
@@ -154,7 +154,7 @@ def test_overwrite_keeps_the_old_checkpoint_until_the_new_one_is_complete(src, t
     if not out.exists():
         assert point == "swap"
         assert main(["convert", str(src), str(tmp_path / "elsewhere"), *CONVERT]) == 0  # unrelated: nothing changes
-        from halfsafe.checkpoint import clean_stale
+        from halfsafe.io.checkpoint import clean_stale
 
         clean_stale(out)
     assert (out / "marker.txt").read_text() == marker  # the old checkpoint, intact
@@ -187,7 +187,7 @@ def test_overwrite_replaces_only_a_folder_halfsafe_wrote_or_an_empty_one(model, 
 def _convert_while_paused(model: Path, out: Path, meanwhile, mine: list[str], monkeypatch) -> tuple[int, str]:
     """This run converts MODEL into OUT; right after its save-time checks (while it writes) `meanwhile()` puts another
     folder at OUT. Returns this run's exit code and the hash of that folder."""
-    import halfsafe.checkpoint as checkpoint
+    import halfsafe.io.checkpoint as checkpoint
 
     real, seen = checkpoint._write_extras, {}
 

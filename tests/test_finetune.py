@@ -12,21 +12,20 @@ import random
 
 import pytest
 import torch
-
-from halfsafe.metrics import mean_kl
+from tiny import TINY, make_tiny, tiny_ids
 
 from halfsafe.cli import main
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.groups import expand
+from halfsafe.core.metrics import mean_kl
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.precision import cast_copy
-from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import scan
 from halfsafe.training import TrainingRescaler, train_steps
 from halfsafe.training.finetune import FinetuneConfig, finetune_below_threshold, fp16_check
-from tiny import TINY, make_tiny, tiny_ids
 
 AMP_TRACKING_RTOL = 2e-3  # fp16 AMP loss vs the fp32 run of the same steps (measured: ~1e-4)
 TRAJECTORY_RTOL = 1e-5  # fp32 loss with a mid-run rescale vs without (measured: 0 for x*w norms, 1e-7 for (1+w))
@@ -195,10 +194,9 @@ def test_headroom_callback_logs_warns_and_rescales_exactly(tmp_path, caplog):
     assert _rel(losses, ref) < TRAJECTORY_RTOL, (losses, ref)  # the rescale did not change the run
     assert cb.state()["attributes"]["applied_exponents"] == cb.rescales[0]["exponents"]
     # which sites each group moves came from a shrunk random copy, mapped onto this model: what probing it says
-    from halfsafe.probe import probe
+    from halfsafe.core.groups import expand
+    from halfsafe.core.probe import probe
     from halfsafe.training.headroom import plain_fp32_forward
-
-    from halfsafe.groups import expand
 
     family = family_for(model.config.model_type)
     with plain_fp32_forward(model), torch.no_grad():

@@ -1,4 +1,4 @@
-"""The emulated float16 arithmetic (halfsafe.fp16_arith: float16 matrix products from float32 kernels, rounded once)
+"""The emulated float16 arithmetic (halfsafe.engine.fp16_arith: float16 matrix products from float32 kernels, rounded once)
 computes what PyTorch's own float16 kernels compute: on every tiny family the logits are the native ones, with the
 same non-finite positions, also where the float16 run overflows; convert, scan and verify use it by default, record
 it, and take `--fp16-arith native` (the default, auto, emulates where PyTorch's float16 products are slow).
@@ -17,10 +17,10 @@ import math
 import pytest
 import torch
 
-from halfsafe import fp16_arith
 from halfsafe.cli import main
-from halfsafe.forward import logits
-from halfsafe.precision import in_dtype
+from halfsafe.engine import fp16_arith
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import in_dtype
 from halfsafe.scan import first_nonfinite_in_fp16
 from tests.stress import make_stress
 from tests.tiny import TINY, make_tiny, tiny_ids

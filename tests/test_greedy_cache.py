@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from halfsafe.engine.precision import in_dtype
 from halfsafe.engine.streamed import streamed_of
-from halfsafe.loading import load_model
-from halfsafe.precision import in_dtype
+from halfsafe.io.loading import load_model
 from halfsafe.verify import greedy
 from tests.tiny import TINY, make_tiny, save_tiny, tiny_ids
 

@@ -6,10 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny import save_tiny
 
 from halfsafe.errors import HalfsafeError
-from halfsafe.loading import load_model
-from tiny import save_tiny
+from halfsafe.io.loading import load_model
 
 
 def test_hub_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
@@ -35,7 +35,7 @@ def test_hub_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
 def test_a_hub_snapshot_whose_files_link_into_blobs_loads_and_nothing_outside_the_repository_does(tmp_path, monkeypatch):
     """The Hugging Face cache keeps a snapshot's files as links into the repository's blobs/: inside the trusted
     folder (the repository's). A link out of the repository is refused like any other."""
-    from halfsafe.trust import inside, model_root
+    from halfsafe.io.trust import inside, model_root
 
     repo = tmp_path / "hub" / "models--acme--linked"
     snapshot = repo / "snapshots" / "0123456789abcdef"

@@ -8,18 +8,18 @@ import json
 import math
 
 import pytest
+from tiny import make_tiny, save_tiny, tiny_ids
 
 import halfsafe.convert as convert
 from halfsafe.calibration import default_text, encode, long_sample_ids
 from halfsafe.convert import Candidate, candidate_exponents, choose_candidate, convert_checkpoint, keeps_margin, plan_fp16_safe
+from halfsafe.core.groups import Group, expand
+from halfsafe.core.margin import BASE_MARGIN_BITS, GROWTH_BITS_PER_DOUBLING, choose_margin, margin_bits
+from halfsafe.core.plan import Constraint, Plan, solve
+from halfsafe.core.rewrite import apply_exponents_
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import family_for
-from halfsafe.groups import Group, expand
-from halfsafe.margin import BASE_MARGIN_BITS, GROWTH_BITS_PER_DOUBLING, choose_margin, margin_bits
-from halfsafe.plan import Constraint, Plan, solve
-from halfsafe.rewrite import apply_exponents_
 from halfsafe.scan import scan
-from tiny import make_tiny, save_tiny, tiny_ids
 
 G = [Group("residual", "residual", None, ())]
 

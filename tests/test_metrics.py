@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from halfsafe.convert import storage_error
-from halfsafe.formats import FP16_MAX, FP16_MIN_NORMAL
-from halfsafe.metrics import kl_per_token, mean_kl, top1_agreement
-from halfsafe.stats import PERCENTILE, SiteStats
+from halfsafe.core.formats import FP16_MAX, FP16_MIN_NORMAL
+from halfsafe.core.metrics import kl_per_token, mean_kl, top1_agreement
+from halfsafe.core.stats import PERCENTILE, SiteStats
 from halfsafe.verify import _Accumulator, _matched_prefix, _nll_sum
 
 

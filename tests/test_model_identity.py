@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
-from halfsafe.forward import logits
-from halfsafe.loading import load_model
+from halfsafe.io.loading import load_model
 from tests.same_run import assert_same_run
 from tests.tiny import TINY, make_tiny, tiny_ids
 

@@ -15,7 +15,7 @@ pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from halfsafe import arith16  # noqa: E402
+from halfsafe.core import arith16  # noqa: E402
 from halfsafe.export.onnx_profile_ops import chunked_matmul16, constant_names, profile_evaluator  # noqa: E402
 
 RNG = np.random.default_rng(0)
@@ -78,7 +78,7 @@ def test_the_split_head_computes_the_same_logits_in_fewer_float16_running_sums()
     from torch import nn
 
     from halfsafe.export.onnx_accumulate import split_head_
-    from halfsafe.runtimes import get_profile
+    from halfsafe.runtime.profiles import get_profile
 
     class Head(nn.Module):
         def __init__(self, k):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import halfsafe.engine.wide as wide
+from halfsafe.engine.forward import logits
 from halfsafe.engine.pipeline import apart, in_step
 from halfsafe.engine.reads import Reads, checkpoint_bytes
 from halfsafe.engine.streamed import streamed_of
-from halfsafe.forward import logits
-from halfsafe.loading import load_model
+from halfsafe.io.loading import load_model
 from halfsafe.scan import collect, first_nonfinite_in_fp16
 from halfsafe.verify import verify
 from tests.tiny import TINY, save_tiny, tiny_ids
@@ -196,9 +196,9 @@ def test_reads_count_passes_per_phase(tmp_path):
 
 
 def test_exponents_that_make_the_same_model_share_a_key(tmp_path):
+    from halfsafe.core.groups import expand
+    from halfsafe.core.rewrite import model_key
     from halfsafe.families import family_for
-    from halfsafe.groups import expand
-    from halfsafe.rewrite import model_key
 
     model = _streamed("llama", tmp_path)
     groups = expand(family_for("llama"), model)

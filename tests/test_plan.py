@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
+from tiny import make_tiny, tiny_ids
 
 from halfsafe.convert import apply_plan_
+from halfsafe.core.groups import Group, expand
+from halfsafe.core.plan import Constraint, Plan, predicted_log2, solve
+from halfsafe.engine.forward import logits
 from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import Group, expand
-from halfsafe.plan import Constraint, Plan, predicted_log2, solve
-from tiny import make_tiny, tiny_ids
 
 G = [Group("residual", "residual", None, ()), Group("qk@b0", "qk", "b0", ())]
 

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
+from halfsafe.core.groups import Group, TensorMove
+from halfsafe.core.plan import PLAN_FORMAT, Constraint, Plan, _describe_select, _overlap, constraints_from, predicted_log2, solve
+from halfsafe.core.stats import SiteStats
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import GAIN1P, MUL
-from halfsafe.groups import Group, TensorMove
-from halfsafe.plan import PLAN_FORMAT, Constraint, Plan, _describe_select, _overlap, constraints_from, predicted_log2, solve
-from halfsafe.stats import SiteStats
 
 
 def _group(name: str, *moves: TensorMove) -> Group:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from halfsafe.precision import cast_copy
-from halfsafe.runtime import load_pure_fp16
 from tiny import TINY, make_tiny
+
+from halfsafe.engine.precision import cast_copy
+from halfsafe.runtime.fp16 import load_pure_fp16
 
 
 @pytest.mark.parametrize("key", sorted(TINY))

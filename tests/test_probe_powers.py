@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from halfsafe.groups import Group
-from halfsafe.probe import _owner, _passes, _rel_change
+from halfsafe.core.groups import Group
+from halfsafe.core.probe import _owner, _passes, _rel_change
 
 
 def _g(name: str, block: str | None = None, span: tuple[str, ...] = (), expert: int | None = None) -> Group:

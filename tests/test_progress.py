@@ -13,11 +13,10 @@ import pytest
 
 from halfsafe import progress
 from halfsafe.cli import main
-from halfsafe.forward import run_for_stats
-from halfsafe.layers import find_blocks
-from halfsafe.loading import load_model
-from halfsafe.precision import in_dtype
-from halfsafe.forward import logits
+from halfsafe.core.sites import find_blocks
+from halfsafe.engine.forward import logits, run_for_stats
+from halfsafe.engine.precision import in_dtype
+from halfsafe.io.loading import load_model
 from tests.tiny import save_tiny, tiny_ids
 
 LINE = re.compile(r"^scan: (\d+)/(\d+) blocks, sample (\d+)/3, \d+ s(?:, ETA (\d+) s)?$")

@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 
 import transformers
-
+from tiny import TINY
 from transformers import PretrainedConfig
 
+from halfsafe.core.groups import Group, TensorMove, expand
+from halfsafe.core.rewrite import move_eps_, scale_eps_, scoped_eps_exponents, tensor_exponents
 from halfsafe.families import MUL, Family, family_for
-from halfsafe.groups import Group, TensorMove, expand
-from halfsafe.loading import model_class_for
-from halfsafe.rewrite import move_eps_, scale_eps_, scoped_eps_exponents, tensor_exponents
-from tiny import TINY
+from halfsafe.io.loading import model_class_for
 
 EPS = 1e-6
 NORM_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from halfsafe.rewrite import _merge_tables, check_finite, select_key
+from halfsafe.core.rewrite import _merge_tables, check_finite, select_key
 
 SA, SB = (0, slice(0, 2)), (0, slice(2, 4))  # two row ranges of one fused tensor
 

@@ -8,16 +8,16 @@ import json
 
 import pytest
 import torch
+from stress import make_stress
+from tiny import make_tiny
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
 from halfsafe.convert import make_fp16_safe
-from halfsafe.emulate import emulate_runtime
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
-from halfsafe.forward import logits
-from halfsafe.precision import cast_copy
-from stress import make_stress
-from tiny import make_tiny
+from halfsafe.runtime.emulate import emulate_runtime
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARGS = ["--seq-len", "32", "--max-samples", "2"]

@@ -2,16 +2,16 @@
 
 import pytest
 import torch
+from tiny import make_tiny, tiny_ids
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from halfsafe import arith16
-from halfsafe.emulate import attention16, emulate_runtime
+from halfsafe.core import arith16
+from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
-from halfsafe.precision import cast_copy
-from halfsafe.runtimes import PROFILES, get_profile
-from tiny import make_tiny, tiny_ids
+from halfsafe.runtime.emulate import attention16, emulate_runtime
+from halfsafe.runtime.profiles import PROFILES, get_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INF = float("inf")
@@ -167,12 +167,13 @@ def test_attention16_matches_eager_softmax_attention():
 
 
 def test_streamed_model_with_every_matrix_wide_emulates_as_the_whole(tmp_path, monkeypatch):
-    from halfsafe.engine import wide
-    from halfsafe.engine.streamed import streamed_of
-    from halfsafe.forward import logits
-    from halfsafe.loading import load_model
-    from halfsafe.precision import in_dtype
     from tiny import save_tiny
+
+    from halfsafe.engine import wide
+    from halfsafe.engine.forward import logits
+    from halfsafe.engine.precision import in_dtype
+    from halfsafe.engine.streamed import streamed_of
+    from halfsafe.io.loading import load_model
 
     monkeypatch.setattr(wide, "MIN_CHUNK_ROWS", 32)
     monkeypatch.setattr(wide, "CHUNK_BYTES", 1)
@@ -190,7 +191,7 @@ def test_streamed_model_with_every_matrix_wide_emulates_as_the_whole(tmp_path, m
 
 
 def test_t5_norms_are_rms_norms_and_every_kind_is_counted():
-    from halfsafe import emulate
+    from halfsafe.runtime.fp16 import emulate
 
     model = make_tiny("mt5")
     half = cast_copy(model, torch.float16).eval()

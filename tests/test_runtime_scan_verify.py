@@ -9,18 +9,18 @@ import math
 import numpy as np
 import pytest
 import torch
+from stress import make_stress
+from tiny import make_tiny
 
-from halfsafe import arith16
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import make_fp16_safe
-from halfsafe.forward import logits
-from halfsafe.precision import cast_copy
-from halfsafe.runtime_stats import RuntimeCollector
+from halfsafe.core import arith16
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
+from halfsafe.runtime.stats import RuntimeCollector
 from halfsafe.scan import scan
 from halfsafe.verify import FP16, HALFSAFE, verify
 from halfsafe.verify.report import Metrics
-from stress import make_stress
-from tiny import make_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

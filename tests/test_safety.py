@@ -17,15 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
+from tiny import make_tiny, save_tiny
 
 import halfsafe
 from halfsafe.cli import main
+from halfsafe.core.plan import Plan
 from halfsafe.errors import HalfsafeError
-from halfsafe.plan import Plan
-from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
-from tiny import make_tiny, save_tiny
 
 PROPERTY = settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                             HealthCheck.too_slow])
@@ -104,7 +105,7 @@ def test_the_loader_itself_never_runs_a_folders_code(model, tmp_path, monkeypatc
 
     from transformers import AutoConfig
 
-    from halfsafe.trust import from_pretrained
+    from halfsafe.io.trust import from_pretrained
 
     marker, asked = tmp_path / "code-ran", []
     _evil(model, marker)
@@ -269,8 +270,9 @@ def test_any_safetensors_header_gives_a_scan_or_one_line(tiny, tmp_path_factory,
 def test_a_model_given_in_memory_with_a_non_finite_weight_is_named_corrupt():
     """The Python API takes models halfsafe did not load: a NaN there is reported as corruption, not as an
     fp16 overflow or an OverflowError from the solver."""
-    from halfsafe.convert import plan_fp16_safe
     from tiny import tiny_ids
+
+    from halfsafe.convert import plan_fp16_safe
 
     model = make_tiny("llama")
     with torch.no_grad():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny import save_tiny
 
 from halfsafe.cli import main
-from tiny import save_tiny
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,4 +1,4 @@
-"""The probe on a shrunken random copy (halfsafe.shrink): what it finds, mapped onto the real model's groups, is
+"""The probe on a shrunken random copy (halfsafe.core.shrink): what it finds, mapped onto the real model's groups, is
 what probing the real model finds; the real model is never run; family data that does not hold is still refused;
 a config that cannot be shrunk falls back to the real model, saying so."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, GPTNeoXConfig
 
+from halfsafe.core.groups import expand
+from halfsafe.core.probe import probe
+from halfsafe.core.shrink import LAYER_FIELDS, map_governed, probe_governed, randomize_, shrunk_config, shrunk_model
+from halfsafe.core.stats import ActivationCollector
+from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.loading import load_model, model_class_for
-from halfsafe.probe import probe
-from halfsafe.stats import ActivationCollector
-from halfsafe.shrink import LAYER_FIELDS, map_governed, probe_governed, randomize_, shrunk_config, shrunk_model
+from halfsafe.io.loading import load_model, model_class_for
 from tests.tiny import TINY, make_tiny, save_tiny, tiny_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one torch thread (conftest)
@@ -222,7 +222,7 @@ def test_a_config_that_cannot_be_shrunk_falls_back_to_the_model(caplog):
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     ids = tiny_ids(model)
-    with caplog.at_level(logging.WARNING, logger="halfsafe.shrink"):
+    with caplog.at_level(logging.WARNING, logger="halfsafe.core.shrink"):
         governed = probe_governed(model, family, groups, ids)
     assert "partial_rotary_factor" in caplog.text and "probing the model itself" in caplog.text
     assert governed == probe(model, family, groups, ids)

@@ -1,4 +1,4 @@
-"""halfsafe.sites: one Site type (parse/format keep every report's strings), one block_of, one headroom_bits,
+"""halfsafe.core.sites: one Site type (parse/format keep every report's strings), one block_of, one headroom_bits,
 one hook owner (Hooks) that every hook-holding class uses and that leaves no hook behind."""
 
 from __future__ import annotations
@@ -9,16 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from halfsafe.baselines import clamp_residual_adds
+from halfsafe.core.sites import Hooks, Site, block_of, find_blocks, headroom_bits
+from halfsafe.core.stats import ActivationCollector, SiteStats
+from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import HalfsafeError
-from halfsafe.forward import logits
-from halfsafe.layers import find_blocks
-from halfsafe.loading import load_model
-from halfsafe.runtime import keep_residual_fp32
+from halfsafe.io.loading import load_model
+from halfsafe.runtime.baselines import clamp_residual_adds, keep_residual_fp32
 from halfsafe.scan import LayerPeak, layer_peaks
-from halfsafe.sites import Hooks, Site, block_of, headroom_bits
-from halfsafe.stats import ActivationCollector, SiteStats
 from halfsafe.training.finetune import _owner, _Penalty
 from halfsafe.training.headroom import PeakSampler
 from halfsafe.verify.block_peaks import BlockPeaks

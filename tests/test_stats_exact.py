@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from halfsafe import stats
-from halfsafe.formats import FP16_MAX, FP16_MIN_NORMAL
-from halfsafe.stats import ActivationCollector, SiteStats, first_tensor, is_fused_experts
+from halfsafe.core import stats
+from halfsafe.core.formats import FP16_MAX, FP16_MIN_NORMAL
+from halfsafe.core.stats import ActivationCollector, SiteStats, first_tensor, is_fused_experts
 
 
 def _update(*xs) -> SiteStats:

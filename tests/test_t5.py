@@ -8,22 +8,22 @@ import math
 
 import pytest
 import torch
+from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from torch import nn
 from transformers import AutoModelForSeq2SeqLM, T5EncoderModel, T5ForConditionalGeneration
 
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.formats import FP16_MAX
+from halfsafe.core.groups import expand
+from halfsafe.core.metrics import mean_kl
+from halfsafe.core.rewrite import apply_exponents_
+from halfsafe.core.stats import first_tensor
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
 from halfsafe.families import family_for
 from halfsafe.families.spec import tied_head
-from halfsafe.formats import FP16_MAX
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.metrics import mean_kl
-from halfsafe.precision import cast_copy
-from halfsafe.rewrite import apply_exponents_
-from halfsafe.runtime import load_pure_fp16
+from halfsafe.runtime.fp16 import load_pure_fp16
 from halfsafe.scan import scan
-from halfsafe.stats import first_tensor
-from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 KEY = "t5-v1_1"
 FAMILY = family_for("t5")
@@ -160,7 +160,7 @@ def _blown_up_three_blocks(key: str):
 @pytest.mark.parametrize("key", ["t5", "t5-v1_1"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_stack_dropout_is_two_sites_and_the_shrunk_probe_moves_each_as_its_call_does(key, seed):
-    from halfsafe.shrink import probe_governed
+    from halfsafe.core.shrink import probe_governed
 
     model = _blown_up_three_blocks(key)
     ids = tiny_ids(model, length=16, seed=seed)

@@ -8,18 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from stress import grow_t5_stacks
 from torch import nn
 from transformers import T5Config, T5ForConditionalGeneration
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
-from halfsafe.formats import FP16_MAX
-from halfsafe.forward import logits
-from halfsafe.metrics import mean_kl
-from halfsafe.precision import cast_copy
-from halfsafe.runtime import load_pure_fp16
+from halfsafe.core.formats import FP16_MAX
+from halfsafe.core.metrics import mean_kl
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
+from halfsafe.runtime.fp16 import load_pure_fp16
 from halfsafe.scan import scan
-from stress import grow_t5_stacks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # a tiny width (conftest)
 

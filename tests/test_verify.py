@@ -10,20 +10,28 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-from halfsafe.baselines import clamp_residual_adds
-from halfsafe.calibration import default_text, heldout_text, make_samples
-from halfsafe.convert import make_fp16_safe
-from halfsafe.forward import logits
-from halfsafe.layers import find_blocks
-from halfsafe.precision import cast_copy
-from halfsafe.runtime import keep_residual_fp32, residual_writers
-from halfsafe.verify import (
-    ALL_VARIANTS, BF16, CLAMP, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, markdown_table, verify,
-    write_plots,
-)
 from stress import make_stress
 from tiny import make_tiny, tiny_ids
+
+from halfsafe.calibration import default_text, heldout_text, make_samples
+from halfsafe.convert import make_fp16_safe
+from halfsafe.core.sites import find_blocks
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import cast_copy
+from halfsafe.runtime.baselines import clamp_residual_adds, keep_residual_fp32, residual_writers
+from halfsafe.verify import (
+    ALL_VARIANTS,
+    BF16,
+    CLAMP,
+    FP16,
+    FP32_RESIDUAL,
+    HALFSAFE,
+    HALFSAFE_FP32_RESIDUAL,
+    REFERENCE,
+    markdown_table,
+    verify,
+    write_plots,
+)
 
 METRICS = {"positions", "nonfinite_logits", "nonfinite_positions", "kl_mean", "top1", "perplexity", "max_abs_logit_error",
            "greedy_matched", "greedy_total", "greedy_fraction"}

@@ -14,27 +14,37 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from tiny import make_tiny
 from torch import nn
 
 import halfsafe
 import halfsafe.plots
-from halfsafe import fp16_arith
-from halfsafe.baselines import clamp_residual_adds
+from halfsafe.engine import fp16_arith
 from halfsafe.engine.reads import Reads
 from halfsafe.engine.streamed import compute_device, streamed_of
 from halfsafe.errors import HalfsafeError
-from halfsafe.runtime import RuntimeHandle, keep_residual_fp32
-from halfsafe.verify import accumulator, compare, converted, memory, report, runner, variants
+from halfsafe.runtime.baselines import RuntimeHandle, clamp_residual_adds, keep_residual_fp32
+from halfsafe.verify import accumulator, compare, converted, report, runner
 from halfsafe.verify.accumulator import Accumulator, matched_prefix, nll_sum
 from halfsafe.verify.block_peaks import BlockPeaks
 from halfsafe.verify.memory import LiveTensorBytes, parameter_bytes, peak_memory, storage_key
 from halfsafe.verify.plots import write_plots
 from halfsafe.verify.report import Metrics, VariantResult, VerifyReport, environment, markdown_table
 from halfsafe.verify.variants import (
-    ALL_VARIANTS, BASELINES, BF16, CLAMP, CONVERTED, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, VARIANTS,
-    Variant, plain,
+    ALL_VARIANTS,
+    BASELINES,
+    BF16,
+    CLAMP,
+    CONVERTED,
+    FP16,
+    FP32_RESIDUAL,
+    HALFSAFE,
+    HALFSAFE_FP32_RESIDUAL,
+    REFERENCE,
+    VARIANTS,
+    Variant,
+    plain,
 )
-from tiny import make_tiny
 
 # --- report: dataclasses and JSON ----------------------------------------------------------------------------------
 
@@ -609,7 +619,7 @@ def wired(monkeypatch):
         assert isinstance(model, _Original)
         return ["b0", "b1"]
 
-    monkeypatch.setattr(halfsafe.loading, "load_model",
+    monkeypatch.setattr(halfsafe.io.loading, "load_model",
                         lambda source, dtype, stream, device: calls.append(("load", source, dtype, stream, device)) or loaded)
     monkeypatch.setattr(compare, "compute_device", lambda m: calls.append(("device of", m)) or "DEV")
     monkeypatch.setattr(halfsafe.calibration, "heldout_text", lambda: "HELD")

@@ -11,16 +11,16 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from stress import make_stress
+from tiny import TINY, make_tiny, tiny_ids
 
 from halfsafe.calibration import default_text, heldout_text, make_samples
-from halfsafe.forward import logits
+from halfsafe.engine.forward import logits
 from halfsafe.verify import runner as runner_module
 from halfsafe.verify import verify
 from halfsafe.verify.accumulator import matched_prefix
 from halfsafe.verify.forced import forced_rows, forced_tokens, start_length
 from halfsafe.verify.runner import generate, greedy
-from stress import make_stress
-from tiny import TINY, make_tiny, tiny_ids
 
 TOKENS, PROMPT = 8, 8
 

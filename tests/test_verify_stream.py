@@ -9,16 +9,16 @@ import math
 
 import pytest
 import torch
+from stress import make_stress
+from tiny import make_tiny
 
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import convert_checkpoint
+from halfsafe.core.sites import find_blocks
+from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
-from halfsafe.forward import logits
-from halfsafe.layers import find_blocks
 from halfsafe.verify import ALL_VARIANTS, FP16, HALFSAFE, verify
 from halfsafe.verify import runner as runner_module
-from stress import make_stress
-from tiny import make_tiny
 
 KEYS = ["gemma3_text", "t5"]  # sandwich norms with (1+w) gains; encoder-decoder (transformers keeps wo fp32)
 TEXTS = [heldout_text()[:300]]

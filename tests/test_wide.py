@@ -13,15 +13,15 @@ import torch
 
 import halfsafe.engine.shards as shards_module
 import halfsafe.engine.wide as wide
-from halfsafe.checkpoint import save_fp16_checkpoint
+from halfsafe.core.groups import expand
+from halfsafe.core.rewrite import apply_exponents_, trial
+from halfsafe.engine.forward import logits
+from halfsafe.engine.precision import in_dtype
 from halfsafe.engine.streamed import streamed_of, value_blocks, weights
 from halfsafe.engine.wide import WideWeight
 from halfsafe.families import family_for
-from halfsafe.forward import logits
-from halfsafe.groups import expand
-from halfsafe.loading import load_model
-from halfsafe.precision import in_dtype
-from halfsafe.rewrite import apply_exponents_, trial
+from halfsafe.io.checkpoint import save_fp16_checkpoint
+from halfsafe.io.loading import load_model
 from tests.same_run import assert_same_run
 from tests.tiny import TINY, make_tiny, random_exponents, save_tiny, tiny_ids
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from . import __version__
+from ._version import __version__
 from .errors import HalfsafeError
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -55,7 +55,7 @@ def _number(text: str) -> float:
 
 
 def _shard_size(text: str) -> int:
-    from .checkpoint import shard_size
+    from .io.checkpoint import shard_size
 
     try:
         return shard_size(text)
@@ -92,14 +92,14 @@ def _write_json(path: str | None, data: dict) -> None:
 
 
 def _runtime_option(p, what: str) -> None:
-    from .runtimes import DEFAULT, PROFILES
+    from .runtime.profiles import DEFAULT, PROFILES
 
     p.add_argument("--runtime", default=DEFAULT, choices=tuple(PROFILES), metavar="P",
                    help=f"{what} under runtime profile P's float16 arithmetic ({', '.join(PROFILES)}; default {DEFAULT})")
 
 
 def _fp16_arith_option(p, what: str) -> None:
-    from .fp16_arith import ARITHS, DEFAULT
+    from .engine.fp16_arith import ARITHS, DEFAULT
 
     p.add_argument("--fp16-arith", default=DEFAULT, choices=ARITHS,
                    help=f"how {what} computes: emulated (float16 matrix products from float32 kernels, rounded once), "
@@ -115,11 +115,10 @@ def _engine_options(p) -> None:
 
 def cmd_scan(args) -> int:
     from .display import scan_tables
-    from .loading import load_model
+    from .engine.device import resolve_device
+    from .io.loading import load_model
     from .plots import plot_layer_peaks
     from .scan import scan
-
-    from .engine.device import resolve_device
 
     loaded = load_model(args.model, stream=not args.whole, device=resolve_device(args.device))
     report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
@@ -137,7 +136,7 @@ def cmd_convert(args) -> int:
     from .convert import convert_checkpoint
     from .display import conversion_tables
     from .plots import plot_layer_peaks
-    from .runtimes import get_profile
+    from .runtime.profiles import get_profile
 
     runtime = get_profile(args.runtime)
     if args.to == "onnx":
@@ -193,8 +192,8 @@ def cmd_demo(args) -> int:
     from .calibration import default_text, make_samples
     from .convert import convert_checkpoint
     from .display import conversion_tables, scan_tables, verify_tables
-    from .fixtures import cache_dir
-    from .loading import load_model
+    from .io.builtin import cache_dir
+    from .io.loading import load_model
     from .scan import scan
     from .verify import verify
 
@@ -214,8 +213,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_formats(args) -> int:
+    from .core.formats import DTYPES, all_formats, product_in, round_to, spacing_near
     from .display import formats_table
-    from .formats import DTYPES, all_formats, product_in, round_to, spacing_near
 
     formats_table(all_formats(), console)
     if args.value is not None:
@@ -257,9 +256,8 @@ def cmd_finetune(args) -> int:
 def cmd_verify(args) -> int:
     from .calibration import read_texts
     from .display import verify_tables
-    from .verify import verify, write_plots
-
     from .engine.device import resolve_device
+    from .verify import verify, write_plots
 
     texts = read_texts(args.text) if args.text else None  # default: the embedded held-out text
     device = resolve_device(args.device)
@@ -278,7 +276,6 @@ def cmd_verify(args) -> int:
 
 def cmd_export(args) -> int:
     from .export.onnx import export_onnx
-
     from .progress import phase
 
     with phase("export"):
@@ -398,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _keep_reports_out_of_inputs(args) -> None:
     """--json and --plot never write into (or over) the model or the converted folder being read."""
-    from .checkpoint import refuse_overlap
-    from .loading import input_paths
+    from .io.checkpoint import refuse_overlap
+    from .io.loading import input_paths
 
     inputs = [p for name in ("model", "converted") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
     for path in (getattr(args, "json", None), getattr(args, "plot", None)):

@@ -10,26 +10,28 @@ import torch
 from transformers import PreTrainedModel
 
 from .calibration import default_text, make_samples
+from .core.formats import FP16_MAX, FP16_MIN_NORMAL
+from .core.groups import expand
+from .core.margin import Margin, check_options, choose_margin
+from .core.metrics import mean_kl, top1_agreement
+from .core.plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
+from .core.rewrite import apply_exponents_, model_key, trial
+from .core.shrink import probe_governed
+from .core.sites import Site
 from .engine.device import resolve_device, return_freed_memory
+from .engine.forward import logits as forward_logits
+from .engine.forward import prefix, sample_tokens
+from .engine.fp16_arith import check_arith
+from .engine.fp16_arith import resolve as resolve_arith
+from .engine.precision import in_dtype
 from .engine.reads import Reads
 from .engine.streamed import value_blocks, weights
 from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
-from .families import Family, family_for
-from .formats import FP16_MAX, FP16_MIN_NORMAL
-from .fp16_arith import check_arith, resolve as resolve_arith
-from .forward import logits as forward_logits, prefix, sample_tokens
-from .groups import Group, expand
-from .margin import Margin, check_options, choose_margin
-from .metrics import mean_kl, top1_agreement
-from .plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
-from .precision import in_dtype
+from .families import family_for
 from .progress import phase, recorded
-from .shrink import probe_governed
-from .rewrite import apply_exponents_, model_key, trial
-from .runtimes import get_profile
+from .runtime.profiles import get_profile
 from .scan import ScanReport, scan
-from .sites import Site
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 32
@@ -68,7 +70,7 @@ class ConversionReport:
     phases: list[dict] = field(default_factory=list)  # convert_checkpoint: {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
     reads: Reads = field(default_factory=Reads)  # passes over a streamed model's checkpoint per phase
     reference_logits: torch.Tensor | None = field(default=None, repr=False)  # fp32, on the evaluation prefix (reused)
-    fp16_arith: dict | None = None  # how the candidates' float16 ran (halfsafe.fp16_arith.resolve)
+    fp16_arith: dict | None = None  # how the candidates' float16 ran (halfsafe.engine.fp16_arith.resolve)
 
     @property
     def chosen(self) -> Candidate:
@@ -99,7 +101,7 @@ class ConversionReport:
 
 @torch.no_grad()
 def evaluate_candidate(model, family, groups, exponents, ids, ref, arith: str = "native") -> Candidate:
-    """Apply, run in fp16 on `ids` (`arith`: halfsafe.fp16_arith), compare to the fp32 reference, undo (bit for bit)."""
+    """Apply, run in fp16 on `ids` (`arith`: halfsafe.engine.fp16_arith), compare to the fp32 reference, undo (bit for bit)."""
     with trial(model, family, groups, exponents), in_dtype(model, torch.float16, arith) as half:
         out = forward_logits(half, ids)  # compared in fp16: the metrics widen a few positions at a time, exactly
     finite = bool(torch.isfinite(out).all())
@@ -202,10 +204,10 @@ def plan_fp16_safe(
 ) -> ConversionReport:
     """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
     `report.plan` is ready for `apply_plan_` (or `make_fp16_safe` does both). The margin kept under 65504
-    is made for `max_context` tokens (default: the model's longest context) by `halfsafe.margin`'s rule;
-    `headroom_bits` sets it instead. `runtime`: a runtime profile (halfsafe.runtimes) other than "torch" chooses the
-    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime_convert). `fp16_arith`: how the
-    candidates' float16 computes ("emulated", the default where proven, or "native": halfsafe.fp16_arith)."""
+    is made for `max_context` tokens (default: the model's longest context) by `halfsafe.core.margin`'s rule;
+    `headroom_bits` sets it instead. `runtime`: a runtime profile (halfsafe.runtime.profiles) other than "torch" chooses the
+    plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime.choose). `fp16_arith`: how the
+    candidates' float16 computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith)."""
     profile = get_profile(runtime)
     arith = resolve_arith(fp16_arith, model)
     family = family_for(model.config.model_type)
@@ -293,8 +295,8 @@ def _evaluate_all(model, family, groups, constraints, reference, headroom_bits, 
 
 def _choose_under(profile, model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref, report, samples,
                   progress):
-    """convert --runtime: the candidates measured under the profile (halfsafe.runtime_convert), as Candidates."""
-    from .runtime_convert import choose
+    """convert --runtime: the candidates measured under the profile (halfsafe.runtime.choose), as Candidates."""
+    from .runtime.choose import choose
 
     rt = report.runtime if report.runtime is not None and report.runtime.profile == profile else \
         scan(model, samples, progress=progress, runtime=profile).runtime
@@ -412,8 +414,8 @@ def convert_checkpoint(
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
     from .calibration import long_sample_ids, read_texts
-    from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint, shard_size
-    from .loading import input_paths, load_model
+    from .io.checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint, shard_size
+    from .io.loading import input_paths, load_model
 
     check_out_dir(out, overwrite, inputs=input_paths(source))  # fail before the slow part
     check_options(max_context, headroom_bits)
@@ -449,8 +451,8 @@ def apply_checkpoint(
     nothing written, when the plan would ruin a tensor's fp16 copy or the scan finds the result not fp16-safe (a
     fine-tune can grow activations); the returned scan says whether the plan's margin was kept."""
     from .calibration import read_texts
-    from .checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
-    from .loading import input_paths, load_model
+    from .io.checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
+    from .io.loading import input_paths, load_model
 
     check_out_dir(out, overwrite, inputs=input_paths(source))
     plan = Plan.load(plan_path)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-
 from rich.console import Console
 from rich.table import Table
 
-from .formats import FormatInfo
-from .scan import ScanReport
-from .sites import headroom_bits
 from .convert import ConversionReport
-from .stats import PERCENTILE
+from .core.formats import FormatInfo
+from .core.sites import headroom_bits
+from .core.stats import PERCENTILE
+from .scan import ScanReport
 
 
 def fmt(x: float) -> str:
@@ -49,7 +48,7 @@ def scan_tables(report: ScanReport, console: Console, top: int = 12) -> None:
 
 
 def runtime_table(rt, console: Console, top: int = 12) -> None:
-    """scan --runtime: the quantities the profile holds in float16, tightest first (halfsafe.runtime_stats)."""
+    """scan --runtime: the quantities the profile holds in float16, tightest first (halfsafe.runtime.stats)."""
     t = Table(title=f"Runtime {rt.profile.name}: what it computes in float16, tightest {top}", title_justify="left")
     for col in ("site", "|x| max", "sum x^2 max", "mean x^2 max", "rows sum > 65504", "mean x^2 min",
                 "rows mean -> 0", "eps -> 0", "partial sum max", "headroom bits"):

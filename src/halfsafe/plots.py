@@ -6,7 +6,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # a Figure draws to files without pyplot, so the caller's backend is left alone
 
-from .formats import FP16_MAX
+from .core.formats import FP16_MAX
 
 
 def plot_layer_peaks(series: dict[str, list[float]], path: str | Path, title: str = "") -> Path:

@@ -19,8 +19,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from .layers import find_blocks
-from .sites import Hooks
+from .core.sites import Hooks, find_blocks
 
 INTERVAL = 10.0  # seconds between plain lines
 _shown = {"stream": None, "rich": None, "depth": 0}

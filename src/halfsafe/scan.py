@@ -5,19 +5,22 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
+from .core.formats import FP16_MAX
+from .core.sites import Site, block_of, find_blocks, headroom_bits
+from .core.stats import ActivationCollector, SiteStats
+from .engine.forward import model_inputs, prefix, run_for_stats
 from .engine.pipeline import in_step
+from .engine.precision import in_dtype
 from .engine.streamed import streamed_of
-from .formats import FP16_MAX
-from .forward import model_inputs, prefix, run_for_stats
-from .layers import find_blocks
-from .precision import in_dtype
 from .progress import phase
-from .sites import Site, block_of, headroom_bits
-from .stats import ActivationCollector, SiteStats
+
+if TYPE_CHECKING:
+    from .runtime.stats import RuntimeScan
 
 FP16_CHECK_TOKENS = 128  # fp16 matmuls are slow on CPUs; the first overflow shows within a short prefix
 
@@ -46,7 +49,7 @@ class ScanReport:
     fp16_checked: bool = False
     notes: list[str] = field(default_factory=list)
     runtime: "RuntimeScan | None" = None  # what a runtime profile puts in float16 (scan --runtime)
-    fp16_arith: dict | None = None  # how the fp16 check computed (halfsafe.fp16_arith.resolve)
+    fp16_arith: dict | None = None  # how the fp16 check computed (halfsafe.engine.fp16_arith.resolve)
 
     @property
     def fp16_safe(self) -> bool:
@@ -123,7 +126,7 @@ def layer_peaks(model: PreTrainedModel, sites: dict[str, SiteStats]) -> list[Lay
 
 @torch.no_grad()
 def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor], arith: str = "native") -> str | None:
-    """Run an fp16 copy of `model` on a short prefix of the samples (`arith`: halfsafe.fp16_arith); the first module
+    """Run an fp16 copy of `model` on a short prefix of the samples (`arith`: halfsafe.engine.fp16_arith); the first module
     whose output is inf/NaN, or None."""
     with in_dtype(model, torch.float16, arith) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
         if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
@@ -143,11 +146,11 @@ def _fp16_forward(half: PreTrainedModel, ids) -> None:
 def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "",
          runtime: "str | None" = None, fp16_arith: str | None = None) -> ScanReport:
     """Measure every module's activations on `samples` (the model's own dtype, normally float32); `runtime`: also
-    the quantities that runtime profile computes in float16 (halfsafe.runtime_stats; "torch": none). `fp16_arith`:
-    how the fp16 check computes ("emulated", the default where proven, or "native": halfsafe.fp16_arith)."""
-    from .fp16_arith import check_arith, resolve
-    from .runtime_stats import RuntimeCollector
-    from .runtimes import get_profile
+    the quantities that runtime profile computes in float16 (halfsafe.runtime.stats; "torch": none). `fp16_arith`:
+    how the fp16 check computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith)."""
+    from .engine.fp16_arith import check_arith, resolve
+    from .runtime.profiles import get_profile
+    from .runtime.stats import RuntimeCollector
 
     profile = get_profile(runtime)
     check_arith(fp16_arith)

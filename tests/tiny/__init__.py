@@ -13,7 +13,7 @@ from importlib import import_module
 import torch
 from transformers import PreTrainedModel
 
-from halfsafe.loading import model_class_for
+from halfsafe.io.loading import model_class_for
 
 
 def _collect() -> dict:
@@ -35,7 +35,7 @@ def make_tiny(key: str, seed: int = 0, untie: bool = False) -> PreTrainedModel:
     if untie:  # composite configs (Gemma 3) tie by their text config's flag
         config.tie_word_embeddings = config.get_text_config().tie_word_embeddings = False
     model = model_class_for(config)(config).float().eval()
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.dim() == 1:
             p.add_(torch.randn_like(p) * 0.1)
         elif not p.any():  # initialised to zero (Gemma 3's image projection): a zero write would hide a missing move

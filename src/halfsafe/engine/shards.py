@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import HalfsafeError
-from ..trust import inside
-from ..validate import check_mappable
+from ..io.trust import inside
+from ..io.validate import check_mappable
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -8,7 +8,7 @@ forward then runs unchanged, for every architecture, holding one unit's weights 
 allows to stay) and the activations of one sample. Several samples can pass each unit together, so that it is read
 once for all of them (`engine.pipeline.in_step`: the calibration scan, verify's forward passes).
 
-A rescale (`halfsafe.rewrite`) changes what the next load computes, never the stored tensors: `(1+w)` gains are
+A rescale (`halfsafe.core.rewrite`) changes what the next load computes, never the stored tensors: `(1+w)` gains are
 computed afresh from the stored values each time, so trying and undoing a plan leaves nothing behind.
 """
 
@@ -23,10 +23,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..core.sites import Hooks, find_blocks
 from ..errors import HalfsafeError
-from ..layers import find_blocks
-from ..precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
-from ..sites import Hooks
+from .precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
 from .shards import Shards, row_spans, rows_per_read
 from .wide import WideWeight
 
@@ -99,7 +98,7 @@ class Streamed:
         otherwise read straight into the compute dtype: the same single rounding, without a float32 copy on the way."""
         from torch.utils._python_dispatch import _disable_current_modes
 
-        from ..rewrite import rescaled
+        from ..core.rewrite import rescaled
 
         entries = self.rescale.get(name, ())
         dtype = self._dtype_of(name)
@@ -393,7 +392,7 @@ class _Weights(dict):
         self._s = streamed
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from ..rewrite import rescaled
+        from ..core.rewrite import rescaled
 
         return rescaled(self._s.original(name), self._s.rescale.get(name, ()))
 
@@ -402,7 +401,7 @@ class _Weights(dict):
 
     def blocks(self, name: str):
         """The same value a block of rows at a time (a 262k-token embedding is 0.7 GB in float32)."""
-        from ..rewrite import rescaled
+        from ..core.rewrite import rescaled
 
         key = self._s.key_of[name]
         shape = self._s.shards.shape(key)

@@ -31,7 +31,7 @@ def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
     """Copy `converted` to `out` with every 1-D floating tensor in fp32 (exact); everything else unchanged."""
     from safetensors.torch import load_file, save_file
 
-    from ..trust import check_folder, inside
+    from ..io.trust import check_folder, inside
 
     converted, out = Path(converted), Path(out)
     check_folder(converted)  # nothing copied from outside it
@@ -77,8 +77,8 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     import gguf
     from safetensors.torch import load_file
 
-    from ..loading import read_config
-    from ..trust import inside
+    from ..io.loading import read_config
+    from ..io.trust import inside
 
     converted = Path(converted)
     config = read_config(converted)

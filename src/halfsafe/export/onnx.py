@@ -102,7 +102,7 @@ def check_exportable(config) -> None:
     """Only decoder-only text generation (a causal LM with a KV cache) is exported."""
     from transformers import AutoModelForCausalLM
 
-    from ..loading import model_class_for
+    from ..io.loading import model_class_for
 
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
@@ -129,7 +129,7 @@ def not_converted_warning(folder: Path) -> str | None:
 def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
     """What `halfsafe scan` reports for `folder`, in one line (a short scan of the embedded text)."""
     from ..calibration import make_samples, read_texts
-    from ..loading import load_model
+    from ..io.loading import load_model
     from ..scan import scan
 
     loaded = load_model(folder)
@@ -148,8 +148,8 @@ def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
 def load_exportable_fp16(folder: Path, check, model_class=None):
     """The checkpoint in `folder`, all-fp16 (no module kept in fp32), eval mode, once `check(config)` accepts it:
     the one loader of the three exports. `model_class` None: the class the config names."""
-    from ..loading import model_class_for, quiet_transformers, read_config
-    from ..runtime import load_pure_fp16
+    from ..io.loading import model_class_for, quiet_transformers, read_config
+    from ..runtime.fp16 import load_pure_fp16
 
     config = read_config(folder)
     check(config)
@@ -278,7 +278,7 @@ def run_exporter(module, inputs: dict, shapes: dict, what: str, context=None):
 
     from transformers.exporters import OnnxConfig, OnnxExporter
 
-    from ..loading import _first_line, quiet_transformers
+    from ..io.loading import _first_line, quiet_transformers
 
     config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
     try:
@@ -367,8 +367,8 @@ def _mark_tokenizer(folder: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    from ..loading import _first_line, quiet_transformers
-    from ..trust import from_pretrained
+    from ..io.loading import _first_line, quiet_transformers
+    from ..io.trust import from_pretrained
 
     try:
         with quiet_transformers():
@@ -430,7 +430,7 @@ def write_card(folder: Path, files: list[str], task: str = "text-generation", no
     clips = f"{n_clip} Clip nodes, the modeling code's own fp16 clamp (none added)" if n_clip else "no Clip nodes"
     lines = [
         "", _CARD_TITLE, "",
-        (f"Converted by halfsafe (an exact power-of-two rescaling; `halfsafe.json` lists every rescaled tensor), then "
+        ("Converted by halfsafe (an exact power-of-two rescaling; `halfsafe.json` lists every rescaled tensor), then "
          if converted else "Not converted by halfsafe (no `halfsafe.json`): its fp16 activations may overflow. ")
         + f"exported to float16 ONNX: {sizes}. fp16 weights{', fp16 KV cache' if generates else ''}, {clips}; "
         f"float32 {output} (a Cast at the end of the graph). " + ("" if torch_weights else "There are no PyTorch weights here: load it with "
@@ -503,7 +503,7 @@ def exporter_for(folder: Path):
     `onnx_encoder` (BERT-style encoders)."""
     import sys
 
-    from ..loading import read_config
+    from ..io.loading import read_config
     from . import onnx_encoder, onnx_seq2seq
 
     config = read_config(folder)
@@ -516,7 +516,7 @@ def exporter_for(folder: Path):
 
 def check_folder_exportable(folder: str | Path) -> None:
     """Refuse, before `convert --to onnx` spends its time converting, a local model the export does not cover."""
-    from ..loading import read_config
+    from ..io.loading import read_config
 
     folder = Path(folder).expanduser()
     if (folder / "config.json").is_file():
@@ -527,8 +527,8 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
                 runtime: str | None = None) -> OnnxExportReport:
     """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder.
     `runtime`: a profile that computes norm statistics in float16 gets its norms prescaled (halfsafe.export.onnx_norms)."""
-    from ..checkpoint import atomic_folder, check_out_dir
-    from ..runtimes import get_profile
+    from ..io.checkpoint import atomic_folder, check_out_dir
+    from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
     folder = check_source(source)
@@ -568,8 +568,8 @@ def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport
     """`halfsafe convert --to onnx`: add the ONNX files (`onnx/model_fp16.onnx`, or T5's encoder and decoder) to a
     converted checkpoint folder, beside its weights (the layout of a model repository that serves both transformers
     and transformers.js). `runtime`: as for export_onnx."""
-    from ..checkpoint import atomic_folder
-    from ..runtimes import get_profile
+    from ..io.checkpoint import atomic_folder
+    from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
     folder = check_source(folder)
@@ -685,7 +685,7 @@ def _scopes(node) -> list[str]:
 
 def residual_adds(proto, blocks: list[str]) -> list:
     """The Add nodes computed directly in a block's forward (not in a submodule): the residual adds.
-    `blocks` are the block module names (`halfsafe.layers.find_blocks(model)`)."""
+    `blocks` are the block module names (`halfsafe.core.sites.find_blocks(model)`)."""
     blocks = set(blocks)
     out = []
     for node in proto.graph.node:

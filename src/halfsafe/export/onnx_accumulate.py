@@ -11,10 +11,9 @@ four partial logits meet in a two-level float16 tree. Measured on Gemma 3 270M u
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from ..runtimes import RuntimeProfile
+from ..runtime.profiles import RuntimeProfile
 
 HEAD_GROUPS = 4
 

@@ -33,7 +33,7 @@ def is_encoder(config) -> bool:
 
 
 def _class_name(config) -> str:
-    from ..loading import model_class_for
+    from ..io.loading import model_class_for
 
     return model_class_for(config).__name__
 
@@ -98,7 +98,7 @@ def programs(model):
 
 
 def finish(folder: Path) -> None:
-    from ..loading import read_config
+    from ..io.loading import read_config
 
     config = read_config(folder)
     base._mark_config(folder, (folder / (base.ONNX_FILE + base.EXTERNAL_DATA_SUFFIX)).exists(), kv_cache=False)

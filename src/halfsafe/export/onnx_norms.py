@@ -1,5 +1,5 @@
 """`export onnx --runtime P`: norms computed on an exact power-of-two prescale of their input, for runtimes that
-compute norm statistics in float16 (halfsafe.runtimes).
+compute norm statistics in float16 (halfsafe.runtime.profiles).
 
 A norm is invariant under scaling its input by c except for eps: RMSNorm(x c; eps c^2) = RMSNorm(x; eps), and so is
 LayerNorm. With c = 2^-k the product x c is exact in float16 and eps c^2 is exact in float32, so the graph computes
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..emulate import is_rms_norm
 from ..errors import HalfsafeError
-from ..runtimes import RuntimeProfile
+from ..runtime.emulate import is_rms_norm
+from ..runtime.profiles import RuntimeProfile
 
 FP16_MAX = 65504.0
 SUM_LIMIT = 2.0 ** 12  # the largest sum of squares wanted: 4 bits under 65504 for inputs past the measured peaks
@@ -125,7 +125,7 @@ def calibration_ids(folder, vocab_size: int, seq_len: int = 64, max_samples: int
     from pathlib import Path
 
     from ..calibration import make_samples, read_texts
-    from ..loading import _load_tokenizer
+    from ..io.loading import _load_tokenizer
 
     tokenizer = _load_tokenizer(Path(folder))  # None without tokenizer files: the text's bytes as ids
     return make_samples(read_texts(None), tokenizer, vocab_size, seq_len, max_samples)

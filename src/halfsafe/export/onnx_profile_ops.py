@@ -1,9 +1,9 @@
-"""onnx's reference evaluator computing an exported graph as a runtime profile says (halfsafe.runtimes).
+"""onnx's reference evaluator computing an exported graph as a runtime profile says (halfsafe.runtime.profiles).
 
 The reference evaluator computes float16 ops with numpy in float16, but numpy's float16 `matmul` accumulates in
 float32 (a dot product of 4096 ones gives 4096, where a float16 running sum stops at 2048), so an all-float16 graph
 run by it still has PyTorch's matmul arithmetic. `profile_evaluator` swaps in the profile's own arithmetic, the same
-functions `verify --runtime` emulates with (halfsafe.arith16):
+functions `verify --runtime` emulates with (halfsafe.core.arith16):
 - MatMul with a constant operand (a linear layer's weight) under `matmul_chunk`: float32 dot products of runs of
   `matmul_chunk` k, each rounded to float16 and added to a float16 running sum (ONNX Runtime WebGPU MatMulNBits);
 - MatMul of two activations (attention's QK^T and PV) the same way under `attention_fp16`, and Softmax as
@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import arith16
-from ..runtimes import RuntimeProfile, get_profile
+from ..core import arith16
+from ..runtime.profiles import RuntimeProfile, get_profile
 
 
 def constant_names(graph) -> set[str]:

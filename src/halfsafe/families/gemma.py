@@ -8,8 +8,7 @@ shared eps can move by s**2: the function stays exact, not just close. A tied he
 norm: (1+w)/s - 1. Trap: s(1+w)-1 stored in fp16 rounds, more as s shrinks; the planner measures it.
 """
 
-from .builders import (LLAMA_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich,
-                       gemma_tied_head)
+from .builders import LLAMA_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich, gemma_tied_head
 from .spec import Family, GroupSpec, Move
 
 _UNFIXABLE = "gate_proj pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention"

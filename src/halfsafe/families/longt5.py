@@ -18,8 +18,17 @@ its output moves by s, which k / s and v / s take back). The q/k pair moves the 
 (both come from k), so QK^T stays; v/o likewise.
 """
 
-from .builders import (T5_DEC_CROSS, T5_DEC_FF, T5_DEC_SELF, T5_DECODER_WRITERS, T5_ENC, T5_ENC_FF, has_decoder,
-                       t5_stack_pairs, weight)
+from .builders import (
+    T5_DEC_CROSS,
+    T5_DEC_FF,
+    T5_DEC_SELF,
+    T5_DECODER_WRITERS,
+    T5_ENC,
+    T5_ENC_FF,
+    has_decoder,
+    t5_stack_pairs,
+    weight,
+)
 from .spec import Family, GroupSpec, Move, tied_head
 
 ENC_LOCAL, ENC_TGLOBAL = f"{T5_ENC}.0.LocalSelfAttention", f"{T5_ENC}.0.TransientGlobalSelfAttention"

@@ -164,7 +164,7 @@ class Family:
     # set per kind of block the family's models hold (decoder and encoder layers, a vision tower's layers). For each
     # block the first set whose modules all exist is taken, so a set goes before any set it contains. In sandwich
     # and post-norm blocks the writers are the norms after the branches. The fp32-residual and clamp baselines
-    # (halfsafe.runtime, halfsafe.baselines) hook them; the rescale itself does not read them.
+    # (halfsafe.runtime.fp16, halfsafe.runtime.baselines) hook them; the rescale itself does not read them.
     residual_writers: tuple[tuple[str, ...], ...] = ()
     notes: str = ""
     extra: dict = field(default_factory=dict)

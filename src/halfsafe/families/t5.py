@@ -18,11 +18,20 @@ Encoder block (the decoder inserts cross-attention as layer.1, so its feed-forwa
   gelu*linear product (the input of wo) back under 65504.
 - v/o: attention is linear in V. q/k: q x c, k / c leaves QK^T, hence QK^T + bias, unchanged; there is no
   1/sqrt(d) to keep. Cross-attention k/v read the encoder output; its q reads the decoder stream.
-transformers keeps `wo` in float32 when loading float16 (`_keep_in_fp32_modules`): see halfsafe.runtime.
+transformers keeps `wo` in float32 when loading float16 (`_keep_in_fp32_modules`): see halfsafe.runtime.fp16.
 """
 
-from .builders import (T5_DEC_CROSS, T5_DEC_FF, T5_DEC_SELF, T5_DECODER_WRITERS, T5_ENC, T5_ENC_FF, has_decoder,
-                       t5_stack_pairs, weight)
+from .builders import (
+                       T5_DEC_CROSS,
+                       T5_DEC_FF,
+                       T5_DEC_SELF,
+                       T5_DECODER_WRITERS,
+                       T5_ENC,
+                       T5_ENC_FF,
+                       has_decoder,
+                       t5_stack_pairs,
+                       weight,
+)
 from .spec import Family, GroupSpec, Move, tied_head
 
 T5_ENC_SELF = f"{T5_ENC}.0.SelfAttention"
@@ -52,6 +61,6 @@ FAMILY = Family(
               "non-ReLU feed-forward; raw QK^T + position bias logits under eager attention",
     fp32_modules_to_release=("wo",),
     residual_writers=(T5_DECODER_WRITERS, ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo")),  # decoder, encoder
-    notes="load float16 checkpoints with halfsafe.runtime.load_pure_fp16: a plain from_pretrained keeps wo "
+    notes="load float16 checkpoints with halfsafe.runtime.fp16.load_pure_fp16: a plain from_pretrained keeps wo "
           "in float32, which silently makes the residual float32",
 )

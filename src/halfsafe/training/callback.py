@@ -35,12 +35,12 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from ..core.plan import constraints_from, solve
+from ..core.shrink import probe_governed
+from ..core.sites import Site
+from ..core.stats import SiteStats
 from ..errors import HalfsafeError
-from ..plan import constraints_from, solve
-from ..shrink import probe_governed
-from ..stats import SiteStats
 from .coordinates import TrainingRescaler
-from ..sites import Site
 from .headroom import WATCH_ALL, PeakSampler, headroom_bits, plain_fp32_forward
 
 log = logging.getLogger("halfsafe.training")

@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..core.groups import Group, expand
+from ..core.rewrite import apply_exponents_, move_eps_, scale_tensor_, select_key, tensor_exponents
 from ..families import GAIN1P, MUL, Family, family_for
-from ..groups import Group, expand
-from ..rewrite import apply_exponents_, move_eps_, scale_tensor_, select_key, tensor_exponents
 
 
 def innermost_optimizer(optimizer) -> torch.optim.Optimizer:

@@ -47,13 +47,12 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
+from ..core.formats import FP16_MAX
+from ..core.sites import Hooks, Site, block_of, find_blocks, within
+from ..core.stats import first_tensor
+from ..engine.forward import model_inputs
 from ..errors import HalfsafeError
-from ..formats import FP16_MAX
-from ..forward import model_inputs
-from ..layers import find_blocks
 from ..scan import collect
-from ..sites import Hooks, Site, block_of, within
-from ..stats import first_tensor
 
 STATE_VERSION = 1
 STATE_NAME = "finetune_state.pt"
@@ -436,10 +435,10 @@ def finetune_checkpoint(
     `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
     so the same command with a larger --steps continues where this one stopped."""
     from ..calibration import make_samples, read_texts
-    from ..checkpoint import check_out_dir, save_fp16_checkpoint
     from ..convert import make_fp16_safe
     from ..families import family_for
-    from ..loading import input_paths, load_model
+    from ..io.checkpoint import check_out_dir, save_fp16_checkpoint
+    from ..io.loading import input_paths, load_model
 
     config = config or FinetuneConfig()
     config.check()
@@ -487,7 +486,7 @@ FP16_CHECK_TOKENS = 128
 @torch.no_grad()
 def fp16_check(model: nn.Module, samples: list[torch.Tensor]) -> dict:
     """An fp16 copy on a short prefix of the first samples: finite, and the largest |x| it computes."""
-    from ..precision import cast_copy
+    from ..engine.precision import cast_copy
 
     half = cast_copy(model, torch.float16).eval()
     ids = [s[:, :FP16_CHECK_TOKENS] for s in samples[:2]]

@@ -14,9 +14,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..layers import find_blocks
-from ..sites import Hooks, Site, block_of, headroom_bits
-from ..stats import first_tensor
+from ..core.sites import Hooks, Site, block_of, find_blocks, headroom_bits
+from ..core.stats import first_tensor
 
 WATCH_ALL = "all"  # block outputs plus every leaf module's input and output
 WATCH_BLOCKS = "blocks"  # block outputs only (the residual stream)

@@ -25,7 +25,17 @@ from .plots import write_plots
 from .report import Metrics, VariantResult, VerifyReport, environment, markdown_table
 from .runner import greedy
 from .variants import (
-    ALL_VARIANTS, BASELINES, BF16, CLAMP, CONVERTED, FP16, FP32_RESIDUAL, HALFSAFE, HALFSAFE_FP32_RESIDUAL, REFERENCE, VARIANTS,
+    ALL_VARIANTS,
+    BASELINES,
+    BF16,
+    CLAMP,
+    CONVERTED,
+    FP16,
+    FP32_RESIDUAL,
+    HALFSAFE,
+    HALFSAFE_FP32_RESIDUAL,
+    REFERENCE,
+    VARIANTS,
     Variant,
 )
 

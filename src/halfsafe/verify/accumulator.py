@@ -11,7 +11,7 @@ from collections import Counter
 
 import torch
 
-from ..metrics import kl_per_token
+from ..core.metrics import kl_per_token
 from .report import UNIFORM, Metrics
 
 ROWS = 16  # positions compared at a time (a 262k vocabulary: 16 MiB per float32 temporary)

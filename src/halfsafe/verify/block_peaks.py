@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..sites import Hooks
+from ..core.sites import Hooks
 
 
 class BlockPeaks:

@@ -20,14 +20,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.sites import find_blocks
+from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
+from ..engine.precision import cast_copy
+from ..engine.streamed import compute_device, streamed_of
 from ..errors import HalfsafeError
-from ..layers import find_blocks
-from ..precision import cast_copy
 from ..progress import phase, recorded
 from .converted import check_converted, load_converted
 from .report import VariantResult, VerifyReport, environment
-from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
-from ..engine.streamed import compute_device, streamed_of
 from .runner import Runner, prepare_inputs
 from .variants import ALL_VARIANTS, FP16, HALFSAFE, REFERENCE, VARIANTS, Variant, under_runtime
 
@@ -59,16 +59,16 @@ def verify(
     ALL_VARIANTS (the fp32 reference always runs). `progress`: called with a short status line.
     `stream`: run a folder (original and converted) block by block from its shards (halfsafe.engine), holding one
     block's weights at a time; False loads each whole. `device`: where it computes ("cpu", "cuda", "auto").
-    `runtime`: a runtime profile (halfsafe.runtimes); other than "torch", the fp16 and halfsafe fp16 variants also run
+    `runtime`: a runtime profile (halfsafe.runtime.profiles); other than "torch", the fp16 and halfsafe fp16 variants also run
     under its float16 arithmetic, emulated ("<variant> @ <profile>"), and every variant is checked for outputs that
     are finite but collapsed (nearly uniform rows, one token on top everywhere). `fp16_arith`: how the float16
-    variants compute ("emulated", the default where proven, or "native": halfsafe.fp16_arith).
+    variants compute ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith).
     """
-    from ..fp16_arith import NATIVE, check_arith, fp16_arith as fp16_arith_mode, resolve
-    from ..runtimes import get_profile
-
     from ..calibration import heldout_text
-    from ..loading import load_model
+    from ..engine.fp16_arith import NATIVE, check_arith, resolve
+    from ..engine.fp16_arith import fp16_arith as fp16_arith_mode
+    from ..io.loading import load_model
+    from ..runtime.profiles import get_profile
 
     progress = progress or (lambda msg: None)
     check_arith(fp16_arith)

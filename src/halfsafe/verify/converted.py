@@ -9,8 +9,8 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import HalfsafeError
-from ..loading import model_class_for, quiet_transformers, read_config
-from ..runtime import load_pure_fp16
+from ..io.loading import model_class_for, quiet_transformers, read_config
+from ..runtime.fp16 import load_pure_fp16
 
 
 def check_converted(converted: str | Path, original: PreTrainedModel) -> PretrainedConfig:
@@ -54,7 +54,7 @@ def _streamed_fp16(folder: Path, config: PretrainedConfig, device: torch.device)
     but what transformers keeps so under every dtype), or None where it must be loaded whole."""
     from ..engine.shards import Shards
     from ..engine.streamed import streamed_of
-    from ..loading import _try_stream
+    from ..io.loading import _try_stream
 
     model = _try_stream(folder, config, model_class_for(config), Shards(folder), str(device))
     if model is not None:

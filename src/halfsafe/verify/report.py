@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from .. import __version__
-from ..formats import FP16_MAX
+from .._version import __version__
+from ..core.formats import FP16_MAX
 from .variants import REFERENCE, Variant
 
 
@@ -115,7 +115,7 @@ class VerifyReport:
     runtime: dict | None = None  # the runtime profile the "@ profile" variants emulate (verify --runtime)
     phases: list[dict] = field(default_factory=list)  # {"name", "wall_s", "cpu_s"} per phase (halfsafe.progress)
     checkpoint_reads: dict = field(default_factory=dict)  # passes over the checkpoints per phase (engine.reads)
-    fp16_arith: dict | None = None  # how the float16 variants computed (halfsafe.fp16_arith.resolve)
+    fp16_arith: dict | None = None  # how the float16 variants computed (halfsafe.engine.fp16_arith.resolve)
 
     def result(self, name: str) -> VariantResult:
         for r in self.results:

@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from ..engine.forward import is_encoder_decoder
+from ..engine.forward import logits as forward_logits
 from ..engine.pipeline import in_step
 from ..engine.reads import Reads
 from ..engine.streamed import compute_device
-from ..forward import is_encoder_decoder
-from ..forward import logits as forward_logits
 from ..progress import phase
 from .accumulator import Accumulator, matched_prefix
 from .block_peaks import BlockPeaks

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import arith16
+from ..core import arith16
+from ..core.formats import FP16_MAX
+from ..core.sites import Hooks, headroom_bits
+from ..core.stats import first_tensor
 from .emulate import is_linear, is_rms_norm
-from .formats import FP16_MAX
-from .runtimes import RuntimeProfile, get_profile
-from .sites import Hooks, headroom_bits
-from .stats import first_tensor
+from .profiles import RuntimeProfile, get_profile
 
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
 PARTIAL_TOKENS = 128
@@ -94,7 +94,7 @@ class LinearStats:
         return headroom_bits(self.partial_max)
 
     def update(self, x: torch.Tensor, weight: torch.Tensor) -> None:
-        from .engine.wide import WideWeight
+        from ..engine.wide import WideWeight
 
         self.calls += 1
         if self.calls > PARTIAL_CALLS:

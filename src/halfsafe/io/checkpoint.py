@@ -23,12 +23,12 @@ import transformers
 from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
-from . import __version__
-from .engine.streamed import streamed_of
-from .engine.write import DEFAULT_MAX_SHARD_SIZE, write_weights
-from .errors import HalfsafeError
-from .precision import cast_copy
-from .progress import phase
+from .._version import __version__
+from ..engine.precision import cast_copy
+from ..engine.streamed import streamed_of
+from ..engine.write import DEFAULT_MAX_SHARD_SIZE, write_weights
+from ..errors import HalfsafeError
+from ..progress import phase
 
 log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it

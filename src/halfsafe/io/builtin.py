@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 
 FIXTURE_DIRNAME = "gemma3-270m-bf16"
 

@@ -147,7 +147,7 @@ class ActivationCollector:
 
     @property
     def _running(self) -> list:
-        from .engine.pipeline import lane
+        from ..engine.pipeline import lane
 
         return self._stacks.setdefault(lane(), [])
 
@@ -171,7 +171,7 @@ class ActivationCollector:
             self.sites = {s: self.sites[s] for s in order}
 
     def _record(self, site: str, module: nn.Module, value) -> None:
-        from .engine.pipeline import lane
+        from ..engine.pipeline import lane
 
         t = first_tensor(value)
         if t is None:

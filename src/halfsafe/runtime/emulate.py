@@ -1,4 +1,4 @@
-"""Run a transformers model under a runtime profile's arithmetic (halfsafe.runtimes), on CPU, by patching it.
+"""Run a transformers model under a runtime profile's arithmetic (halfsafe.runtime.profiles), on CPU, by patching it.
 
 - RMSNorm-type norms (any module whose class name ends in "RMSNorm", or T5's "LayerNorm" that is no nn.LayerNorm):
   inside their forward, the statistic chain the modeling code writes (`x.pow(2)` / `x.square()`, `.mean(-1)`,
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import arith16
-from .errors import HalfsafeError
-from .runtime import RuntimeHandle
-from .runtimes import RuntimeProfile, get_profile
+from ..core import arith16
+from ..errors import HalfsafeError
+from .baselines import RuntimeHandle
+from .profiles import RuntimeProfile, get_profile
 
 ATTENTION_NAME = "halfsafe_fp16"
 
@@ -107,14 +107,14 @@ def _norm_forward(original, profile: RuntimeProfile, rms: bool):
             out = original(*args, **kwargs)
         if rms and profile.rms_stats_fp16 and mode.means == 0:
             raise HalfsafeError(f"{type(self).__name__} computed its statistic without `.mean(-1)` of a square: the "
-                                "float16 emulation cannot follow it (halfsafe.emulate)")
+                                "float16 emulation cannot follow it (halfsafe.runtime.emulate)")
         return out
 
     return forward
 
 
 def _linear_forward(profile: RuntimeProfile):
-    from .engine.wide import WideWeight
+    from ..engine.wide import WideWeight
 
     def forward(self, x):
         calls["linear"] += 1

@@ -56,7 +56,7 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
     also be a dict of model inputs (input_ids with pixel_values and the like, for a vision-language model),
     passed as it is. Without one, image-text models get the synthetic image after the first token (see the
     module's docstring)."""
-    from .engine.streamed import compute_device
+    from .streamed import compute_device
 
     extra, device = {}, compute_device(model)
     if isinstance(ids, Mapping):
@@ -115,7 +115,7 @@ def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
     if not standard_causal or base is None or base is model or head is None or is_encoder_decoder(model):
         model(**model_inputs(model, ids), use_cache=False)
         return
-    from .engine.streamed import stem_held
+    from .streamed import stem_held
 
     with stem_held(model):  # a streamed model's head loads once, not once per chunk
         hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-
 # Buffers transformers computes in float32 whatever dtype a model is loaded in (rotary frequencies): an fp16 trial
 # must keep them so, or it measures a model no user runs (tests/test_precision.py checks every tiny family).
 KEEP_FP32_BUFFERS = ("inv_freq",)
@@ -56,10 +55,10 @@ def in_dtype(model: nn.Module, dtype: torch.dtype, arith: str = "native"):
     """`with in_dtype(model, torch.float16) as half: half(...)`: the model computing in `dtype` as
     `from_pretrained(..., dtype=dtype)` would, for the duration. An in-memory model gets a `cast_copy` (freed
     after); a streamed one (halfsafe.engine) loads its units in `dtype` and is restored after. `arith`: how its
-    float16 ops compute (halfsafe.fp16_arith: "emulated" runs the matrix products as float32 kernels)."""
-    from .engine.device import exact_fp16_reductions
-    from .engine.streamed import streamed_of
+    float16 ops compute (halfsafe.engine.fp16_arith: "emulated" runs the matrix products as float32 kernels)."""
+    from .device import exact_fp16_reductions
     from .fp16_arith import fp16_arith
+    from .streamed import streamed_of
 
     streamed = streamed_of(model)
     if streamed is None:

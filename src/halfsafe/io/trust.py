@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 
 REMOTE_CODE_KEY = "auto_map"  # what transformers reads to import a folder's own classes
 

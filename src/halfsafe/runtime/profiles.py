@@ -2,7 +2,7 @@
 
 halfsafe's checkpoints are made for PyTorch's arithmetic: transformers computes norm statistics in float32 and
 matrix products accumulate in float32; only the tensors between ops are float16. Runtimes without bfloat16 compute
-more in float16. A profile names exactly what; `halfsafe.emulate` computes it on CPU (arith16), `scan --runtime`
+more in float16. A profile names exactly what; `halfsafe.runtime.emulate` computes it on CPU (arith16), `scan --runtime`
 measures the quantities it puts in float16, `verify --runtime` runs it, `convert --runtime` refuses a checkpoint that
 breaks under it. The kernels each profile follows, read at the commits named:
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 
 DEFAULT = "torch"
 

@@ -27,13 +27,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .engine.device import one_thread
-from .errors import UnsupportedModelError
-from .families import Family
+from ..engine.device import one_thread
+from ..errors import UnsupportedModelError
+from ..families import Family
 from .groups import Group, expand
-from .layers import find_blocks
 from .probe import probe
-from .sites import Site, block_of
+from .sites import Site, block_of, find_blocks
 from .stats import is_fused_experts
 
 log = logging.getLogger(__name__)

@@ -1,80 +1,25 @@
-"""Loading a converted checkpoint as the all-float16 model it is, with no module quietly kept in float32.
+"""What people do today instead of an exact rescale, as run-time patches to compare against (`halfsafe verify`).
 
-transformers keeps every module a model class lists in `_keep_in_fp32_modules` in float32 whenever a checkpoint
-is loaded with dtype=torch.float16 (T5, mT5, UMT5 list `wo`). For an unconverted bf16 T5 that keeps `wo` from
-overflowing; but `wo`'s float32 output, added to the float16 residual, promotes the residual stream to float32
-from the first feed-forward on: more memory, slower, not what an fp16-only runtime or export computes, and it
-hides whether the float16 model is really safe. A halfsafe-converted checkpoint needs none of it.
+- `clamp_residual_adds`: clamp every residual add to +-32752, as the fp16 ONNX exports of Gemma 3 do (a Clip
+  node after each residual Add). Finite, but it silently changes the function wherever the stream is larger.
+- `keep_residual_fp32`: weights and matmuls in fp16, the residual stream in fp32.
 
-In transformers 5, `from_pretrained` reads that list from the new model instance, which `post_init` fills from
-the class attribute of the model and of every PreTrainedModel inside it (T5's encoder and decoder T5Stack)
-while the model is being built. So the list must be emptied on the class that defines it (T5PreTrainedModel),
-before loading: setting it on T5ForConditionalGeneration alone leaves T5Stack's `wo` in.
+Both need custom code at run time; a halfsafe checkpoint needs none. Both find the residual stream through the
+family data's residual writers (`residual_writers`).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import types
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .sites import Hooks
-
-_ATTR = "_keep_in_fp32_modules"
-
-
-@contextmanager
-def pure_fp16(model_class: type):
-    """Within the block, `model_class.from_pretrained(..., dtype=torch.float16)` keeps no module in float32.
-
-    It empties the list on every class `model_class` inherits it from, so while open it applies to every load
-    of those classes in the process (not thread-safe). Auto classes pick their model class only inside
-    `from_pretrained`, so for them this does nothing: use `load_pure_fp16`.
-    """
-    owners = {c: c.__dict__[_ATTR] for c in model_class.__mro__ if c.__dict__.get(_ATTR)}
-    for c in owners:
-        setattr(c, _ATTR, None)
-    try:
-        yield
-    finally:
-        for c, value in owners.items():
-            setattr(c, _ATTR, value)
-
-
-@torch.no_grad()
-def load_pure_fp16(model_class: type, path, **kwargs) -> PreTrainedModel:
-    """`model_class.from_pretrained(path, dtype=torch.float16, **kwargs)` with every floating parameter in float16.
-
-    `model_class` may be a model class (T5ForConditionalGeneration) or an Auto class. Modules that an Auto class
-    still kept in float32 are cast after loading: for a float16 checkpoint that is exact (float16 -> float32 ->
-    float16), otherwise it is the same single rounding a direct float16 load does; it only costs their float32
-    size in memory for a moment.
-    """
-    from .trust import from_pretrained
-
-    with pure_fp16(model_class):
-        model = from_pretrained(model_class, path, dtype=torch.float16, **kwargs)
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != torch.float16:
-            p.data = p.data.to(torch.float16)
-    return model
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# A run-time option for an fp16 model that does need code at run time (a halfsafe checkpoint does not):
-# keep_residual_fp32 (the residual stream in float32, weights and matmuls in float16), and the residual writers
-# (from the family data) both it and the clamp baseline (halfsafe.baselines) rely on.
-# ---------------------------------------------------------------------------------------------------------------
-
-import types  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from .errors import HalfsafeError  # noqa: E402
-from .families import family_for  # noqa: E402
-from .layers import find_blocks  # noqa: E402
+from ..core.sites import Hooks, find_blocks
+from ..errors import HalfsafeError
+from ..families import family_for
 
 
 def residual_writers(model: nn.Module) -> list[str]:
@@ -180,7 +125,7 @@ def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
     try:
         for block in find_blocks(model):
             handle.add_pre(modules[block], _block_input_to_fp32, with_kwargs=True)
-        for name, m in model.named_modules():
+        for m in model.modules():
             if _is_matmul_module(m):
                 handle.add_pre(m, lambda mod, args: (_cast_floats(args[0], _param_dtype(mod)), *args[1:]))
             elif isinstance(m, nn.LayerNorm):
@@ -190,6 +135,82 @@ def keep_residual_fp32(model: nn.Module) -> RuntimeHandle:
             handle.add_pre(modules[name], lambda mod, args: (_cast_floats(args[0], torch.float32), *args[1:]))
         for tower in _towers(model):
             handle.add_post(tower, _outputs_to_weight_dtype)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+ONNX_CLAMP = 32752.0  # the bound fp16 ONNX exports of Gemma 3 clip each residual add to (65504 / 2, less a margin)
+
+_ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__radd__,
+         torch.Tensor.__iadd__}
+
+
+class _ResidualWrite(torch.Tensor):
+    """A branch output on its way into the residual stream (a residual writer's output, marked by a forward
+    hook without copying). Adding it to an unmarked tensor (the residual) is a residual add: the sum is
+    clamped to +-limit and comes back unmarked. Write + write (GPT-NeoX's parallel `mlp + attn + h`) stays a
+    write, so that the add into the residual is the one clamped. Other ops (dropout, views, casts) keep the mark.
+    """
+
+    limit: float = ONNX_CLAMP
+    counter: list | None = None  # [number of clamped residual adds], shared with the handle
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _ADDS:
+            return super().__torch_function__(func, types, args, kwargs)
+        operands = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if all(isinstance(a, _ResidualWrite) for a in operands):
+            return out.as_subclass(cls) if not isinstance(out, cls) else out
+        out = out.as_subclass(torch.Tensor)
+        if not out.is_floating_point() or cls.limit < torch.finfo(out.dtype).max:
+            out.clamp_(-cls.limit, cls.limit)  # NaN stays NaN, +-inf becomes +-limit
+        if cls.counter is not None:
+            cls.counter[0] += 1
+        return out
+
+
+class ClampHandle(RuntimeHandle):
+    """`remove()` takes the clamp off; `adds` counts the residual adds clamped so far."""
+
+    def __init__(self, counter: list) -> None:
+        super().__init__()
+        self._counter = counter
+
+    @property
+    def adds(self) -> int:
+        return self._counter[0]
+
+
+def clamp_residual_adds(model: nn.Module, limit: float = ONNX_CLAMP) -> ClampHandle:
+    """Clamp each residual add of `model` to +-`limit` (default: the fp16 ONNX exports' 32752).
+
+    Mechanism: the residual sum `h = residual + branch` happens inside each block's forward, not at a module
+    boundary, so no hook on a module output can clamp it (clamping the block output misses the mid-block add;
+    clamping the branch output bounds the write, not the sum; a patched forward per architecture would copy
+    transformers code and go stale). Instead a forward hook marks each residual writer's output (the
+    post-norms of Gemma 2/3, o_proj/down_proj of Llama-style blocks; the family's `residual_writers`) as a tensor
+    subclass whose `+` clamps the sum: exactly one clamp per residual add, at the add, in the add's dtype, with
+    the model's own forward code untouched. `handle.adds` counts them (2 per block and forward for a decoder).
+    """
+    counter = [0]
+    cls = type("ClampedResidualWrite", (_ResidualWrite,), {"limit": float(limit), "counter": counter})
+    handle = ClampHandle(counter)
+    modules = dict(model.named_modules())
+
+    def mark(module, args, out):
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):  # gpt-oss's MoE block: (out, scores)
+            return (out[0].as_subclass(cls), *out[1:])
+        return out.as_subclass(cls) if isinstance(out, torch.Tensor) else out
+
+    try:
+        for name in residual_writers(model):
+            handle.add_post(modules[name], mark)
     except BaseException:
         handle.remove()
         raise

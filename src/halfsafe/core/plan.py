@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from .engine.streamed import value_blocks
-from .families import GAIN1P
+from ..engine.streamed import value_blocks
+from ..families import GAIN1P
 from .formats import FP16_MAX
 from .groups import Group, select_parts
 from .plan_schema import MIN_EXPONENT  # below this a scale pushes ordinary weights into fp16 subnormals
-from .rewrite import _index, select_key, eps_exponent, scoped_eps_exponents, tensor_exponents
+from .rewrite import _index, eps_exponent, scoped_eps_exponents, select_key, tensor_exponents
 from .stats import SiteStats
 
 FP16_MAX_BITS = math.log2(FP16_MAX)
@@ -39,7 +39,7 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
                 powers_by_site.setdefault(site, {})[g] = p
     bad = next((name for name, s in sites.items() if not math.isfinite(s.abs_max)), None)
     if bad is not None:
-        from .errors import HalfsafeError
+        from ..errors import HalfsafeError
 
         raise HalfsafeError(f"{bad} is non-finite even in float32: the model's weights are corrupt (or its inputs); "
                             "re-download or re-save the checkpoint")
@@ -157,14 +157,14 @@ class Plan:
     tensors: list[dict] = field(default_factory=list)  # every touched tensor with its exponent
     eps_exponent: int = 0
     eps_fields: dict[str, int] = field(default_factory=dict)  # eps of their own (a tower's): config field -> exponent
-    context_length: int | None = None  # the longest context `headroom_bits` was chosen for (halfsafe.margin)
+    context_length: int | None = None  # the longest context `headroom_bits` was chosen for (halfsafe.core.margin)
     format: int = PLAN_FORMAT
     halfsafe_version: str = ""
 
     @classmethod
     def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float,
               context_length: int | None = None, shapes: dict[str, tuple] | None = None) -> "Plan":
-        from . import __version__
+        from .._version import __version__
 
         exps = {k: int(v) for k, v in exponents.items() if v}
         return cls(family, model_type, exps, headroom_bits, tensor_table(groups, exps, shapes), eps_exponent(groups, exps),
@@ -195,7 +195,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        from .errors import HalfsafeError
+        from ..errors import HalfsafeError
 
         path = Path(path)
         if path.is_dir():

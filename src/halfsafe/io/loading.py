@@ -1,7 +1,7 @@
 """Load a model from a folder, a GGUF file, a hub id already in the local cache, or the built-in fixture.
 
 Never downloads: everything comes from disk, and only from inside the model's folder, and no code the folder ships
-runs (`halfsafe.trust`). The input is checked before anything slow starts (`halfsafe.validate`). Every failure
+runs (`halfsafe.io.trust`). The input is checked before anything slow starts (`halfsafe.io.validate`). Every failure
 becomes a one-line HalfsafeError.
 """
 
@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from .errors import HalfsafeError, UnsupportedModelError
+from ..errors import HalfsafeError, UnsupportedModelError
 from .trust import check_folder, from_pretrained, inside
 
 FIXTURE_NAMES = ("gemma3-270m",)
@@ -36,7 +36,7 @@ class LoadedModel:
         """Drop the tokenizer until it is needed again (to save it beside the converted weights): Gemma 3's
         262k-entry tokenizer holds 0.33 GB, a third of what converting the model needs. Returns what gives it
         back: the tokenizer reloaded from the folder (or the same object, where there is no folder to reload from)."""
-        from .engine.device import return_freed_memory
+        from ..engine.device import return_freed_memory
 
         if self.folder is None or self.tokenizer is None:
             kept = self.tokenizer
@@ -58,7 +58,7 @@ def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, st
     checkpoint's layout allows; otherwise (and for GGUF) the whole model is loaded."""
     source = str(source)
     if source in FIXTURE_NAMES:
-        from .fixtures import gemma3_270m_folder
+        from .builtin import gemma3_270m_folder
 
         return _load_folder(gemma3_270m_folder(), dtype, source, stream, device)
     path = Path(source).expanduser()
@@ -81,7 +81,7 @@ def input_paths(source: str | os.PathLike) -> list[Path]:
     fixture's folder. The writers keep their output out of these (`checkpoint.refuse_overlap`)."""
     source = str(source)
     if source in FIXTURE_NAMES:
-        from .fixtures import FIXTURE_DIRNAME, cache_dir
+        from .builtin import FIXTURE_DIRNAME, cache_dir
 
         return [cache_dir() / FIXTURE_DIRNAME]
     path = Path(source).expanduser()
@@ -101,7 +101,7 @@ def read_config(folder: Path) -> PretrainedConfig:
         raise HalfsafeError(f"{config_file} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}): re-save or re-download it") from None
     try:
         return from_pretrained(AutoConfig, folder, local_files_only=True)
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError):
         model_type = json.loads(config_file.read_text()).get("model_type", "?")
         raise UnsupportedModelError(
             f"model_type {model_type!r} in {config_file} is unknown to transformers {transformers.__version__}: "
@@ -125,8 +125,7 @@ def model_class_for(config: PretrainedConfig):
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu") -> LoadedModel:
-    from .engine.shards import Shards
-
+    from ..engine.shards import Shards
     from .validate import check_config, check_finite
 
     config = read_config(folder)
@@ -153,7 +152,7 @@ def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str
     """The streamed model, or None (logged) when transformers must convert the checkpoint's tensors on load."""
     from transformers import GenerationConfig
 
-    from .engine.streamed import build
+    from ..engine.streamed import build
 
     try:
         with quiet_transformers():

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .errors import UnsupportedModelError
-from .families import Family, GroupSpec, Move
-from .families.spec import BLOCK, LAST_BLOCK, NEXT_BLOCK, EpsScope, placeholder
+from ..errors import UnsupportedModelError
+from ..families import Family, GroupSpec, Move
+from ..families.spec import BLOCK, LAST_BLOCK, NEXT_BLOCK, EpsScope, placeholder
 
 
 @dataclass(frozen=True)

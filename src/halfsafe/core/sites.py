@@ -25,7 +25,7 @@ from typing import Callable
 
 from torch import nn
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 from .formats import FP16_MAX
 
 _KIND = re.compile(r"(in|out|expert(\d+)(\.gate|\.up)?)")
@@ -148,3 +148,19 @@ class Hooks:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Names of the repeated blocks: the elements of each outermost ModuleList whose items share a
+    class (excludes T5's mixed per-block `layer` list; MoE expert lists sit inside blocks)."""
+    blocks: list[str] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(name.startswith(t + ".") for t in taken):
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        taken.append(name)
+        blocks.extend(f"{name}.{i}" for i in range(len(module)))
+    return blocks

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .families import GAIN1P, MUL, Family
-from .families.spec import EpsScope
+from ..families import GAIN1P, MUL, Family
+from ..families.spec import EpsScope
 from .groups import Group, config_at, eps_scopes, select_parts
 from .sites import within
 
@@ -131,7 +131,7 @@ def move_eps_(model: PreTrainedModel, family: Family, groups: list[Group], expon
 @torch.no_grad()
 def apply_exponents_(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]) -> None:
     """Rescale `model` in place by the given group exponents (missing groups: 0)."""
-    from .engine.streamed import streamed_of
+    from ..engine.streamed import streamed_of
 
     table = tensor_exponents(groups, exponents)
     streamed = streamed_of(model)
@@ -149,7 +149,7 @@ def apply_exponents_(model: PreTrainedModel, family: Family, groups: list[Group]
 def trial(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]):
     """`with trial(model, family, groups, exps): ...` runs the block on the rescaled model, then undoes the rescale
     bit for bit: power-of-two factors invert exactly, `(1+w)` gains are put back from a saved copy."""
-    from .engine.streamed import streamed_of
+    from ..engine.streamed import streamed_of
 
     params = dict(model.named_parameters())
     saved = {} if streamed_of(model) is not None else {

@@ -1,9 +1,9 @@
 """`convert --runtime P`: choose the plan under a runtime profile's float16 arithmetic, or refuse in one line.
 
-The profile adds constraints the torch path does not have (halfsafe.runtime_stats measures them on the float32 run):
+The profile adds constraints the torch path does not have (halfsafe.runtime.stats measures them on the float32 run):
 a norm's sum of squares must stay under 65504 (it scales by s^2 with the residual scale s where the norm reads the
 residual), a linear layer's running partial sums too (they scale as its output). The residual scales that meet them
-join the usual candidates; every candidate runs in float16 *under the profile* (halfsafe.emulate) on the evaluation
+join the usual candidates; every candidate runs in float16 *under the profile* (halfsafe.runtime.emulate) on the evaluation
 prefix, and the least-KL one among those that are finite, not collapsed and at least as close to float32 as bfloat16
 on the same tokens is chosen. If none is, the checkpoint format cannot hold what the profile needs, and the refusal
 says which sites, the scale they need, and what breaks there: the norm eps moved by s^2 that rounds to 0 in float16,
@@ -18,18 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import arith16
-from .emulate import emulate_runtime
-from .errors import HalfsafeError
-from .forward import logits as forward_logits
-from .metrics import mean_kl, top1_agreement
-from .plan import FP16_MAX_BITS, Constraint, predicted_log2, solve
-from .precision import in_dtype
-from .rewrite import eps_exponent, trial
-from .emulate import is_rms_norm
-from .runtime_stats import RuntimeScan, _eps
-from .runtimes import RuntimeProfile
-from .sites import Site
+from ..core import arith16
+from ..core.metrics import mean_kl, top1_agreement
+from ..core.plan import FP16_MAX_BITS, Constraint, predicted_log2, solve
+from ..core.rewrite import eps_exponent, trial
+from ..core.sites import Site
+from ..engine.forward import logits as forward_logits
+from ..engine.precision import in_dtype
+from ..errors import HalfsafeError
+from .emulate import emulate_runtime, is_rms_norm
+from .profiles import RuntimeProfile
+from .stats import RuntimeScan, _eps
 
 
 @dataclass
@@ -76,7 +75,7 @@ def runtime_constraints(constraints, rt: RuntimeScan, headroom_bits: float) -> t
 @torch.no_grad()
 def evaluate(model, family, groups, constraints, exps, ids, ref, profile: RuntimeProfile, base_eps: float | None) -> ProfiledCandidate:
     """Apply the plan, run in float16 under the profile's arithmetic, compare with the float32 reference, undo."""
-    from .verify.accumulator import Accumulator
+    from ..verify.accumulator import Accumulator
 
     with trial(model, family, groups, exps), in_dtype(model, torch.float16) as half, emulate_runtime(half, profile):
         out = forward_logits(half, ids)

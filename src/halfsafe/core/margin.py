@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 
 # Measured by bench/context_study.py on Gemma 3 270M (fp32) from 128 to 32768 tokens (its full context):
 # the peak is a massive activation on one fixed residual channel (163) at every position, the largest at
@@ -78,4 +78,4 @@ def choose_margin(config, calibrated_tokens: int, max_context: int | None = None
     bits = margin_bits(context, calibrated_tokens)
     return Margin(context, calibrated_tokens, bits,
                   f"{BASE_MARGIN_BITS:g} + {GROWTH_BITS_PER_DOUBLING:g} x log2({context} / {calibrated_tokens}) bits "
-                  f"(halfsafe.margin, measured by bench/context_study.py)")
+                  f"(halfsafe.core.margin, measured by bench/context_study.py)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 
 CONFIG_SLACK = 2.0  # a model may hold this many times the elements its checkpoint stores (an untied head left out)
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.)")
@@ -98,7 +98,7 @@ def check_finite(shards, folder: Path) -> None:
     large one per opening, so no more than one block's pages are ever mapped."""
     from safetensors import safe_open
 
-    from .engine.shards import READ_BYTES, row_spans, rows_per_read
+    from ..engine.shards import READ_BYTES, row_spans, rows_per_read
 
     for key in shards.keys():
         dtype, shape = shards.dtype(key), shards.shape(key)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from .errors import HalfsafeError
-from .families.spec import KINDS
+from ..errors import HalfsafeError
+from ..families.spec import KINDS
 
 MIN_EXPONENT = -24  # the solver's range for a group's exponent is [MIN_EXPONENT, 0] (see plan.solve); an inverse plan's, negated
 MAX_TENSOR_EXPONENT = 4 * -MIN_EXPONENT  # a tensor sums the exponents of the few groups that move it
