@@ -6,8 +6,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import save_tiny
 
+from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import HalfsafeError
 from halfsafe.io.loading import load_model
 
@@ -26,6 +28,11 @@ def test_hub_id_resolves_from_the_local_cache_only(tmp_path, monkeypatch):
     loaded = load_model("acme/tiny-llama")
     assert loaded.model.config.model_type == "llama"
     assert loaded.folder == snapshot
+    # a hub id is a folder like any other: streamed when asked, and its device checked where every source's is
+    assert streamed_of(load_model("acme/tiny-llama", stream=True).model) is not None
+    if not torch.cuda.is_available():
+        with pytest.raises(HalfsafeError, match="no CUDA GPU"):
+            load_model("acme/tiny-llama", device="cuda")
 
     shutil.rmtree(cache / "models--acme--tiny-llama")
     with pytest.raises(HalfsafeError, match="local Hugging Face cache"):

@@ -115,12 +115,11 @@ def _engine_options(p) -> None:
 
 def cmd_scan(args) -> int:
     from .display import scan_tables
-    from .engine.device import resolve_device
     from .io.loading import load_model
     from .plots import plot_layer_peaks
     from .scan import scan
 
-    loaded = load_model(args.model, stream=not args.whole, device=resolve_device(args.device))
+    loaded = load_model(args.model, stream=not args.whole, device=args.device)
     report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
                   fp16_arith=args.fp16_arith)
     scan_tables(report, console, top=args.top)
@@ -256,15 +255,13 @@ def cmd_finetune(args) -> int:
 def cmd_verify(args) -> int:
     from .calibration import read_texts
     from .display import verify_tables
-    from .engine.device import resolve_device
     from .verify import verify, write_plots
 
     texts = read_texts(args.text) if args.text else None  # default: the embedded held-out text
-    device = resolve_device(args.device)
     report = verify(  # progress: halfsafe.progress, per phase
         args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
         seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens,
-        device=device, stream=not args.whole, runtime=args.runtime, fp16_arith=args.fp16_arith,
+        device=args.device, stream=not args.whole, runtime=args.runtime, fp16_arith=args.fp16_arith,
     )
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())

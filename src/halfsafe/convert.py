@@ -18,7 +18,7 @@ from .core.plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraint
 from .core.rewrite import apply_exponents_, model_key, trial
 from .core.shrink import probe_governed
 from .core.sites import Site
-from .engine.device import resolve_device, return_freed_memory
+from .engine.device import return_freed_memory
 from .engine.forward import logits as forward_logits
 from .engine.forward import prefix, sample_tokens
 from .engine.fp16_arith import check_arith
@@ -425,7 +425,7 @@ def convert_checkpoint(
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
     with phase("load", quiet=not progress):
-        loaded = load_model(source, stream=stream, device=resolve_device(device))
+        loaded = load_model(source, stream=stream, device=device)
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
     check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])  # and a disk too small
     vocab = loaded.model.config.get_text_config().vocab_size
@@ -456,7 +456,7 @@ def apply_checkpoint(
 
     check_out_dir(out, overwrite, inputs=input_paths(source))
     plan = Plan.load(plan_path)
-    loaded = load_model(source, stream=stream, device=resolve_device(device))
+    loaded = load_model(source, stream=stream, device=device)
     check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])
     storage = apply_measured_(loaded.model, plan)
     check_storage(storage, f"this plan does not suit these weights; nothing was written. Run `halfsafe convert {source} OUT` instead")

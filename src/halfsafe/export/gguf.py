@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import HalfsafeError
-
-_GAIN1P_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")  # llama.cpp adds 1 to their norm gains
+from ..families import family_for
 
 
 def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
@@ -93,7 +92,7 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     hf = {}
     for f in sorted(converted.glob("*.safetensors")):
         hf.update(load_file(inside(converted, f.name)))
-    gain1p = text.model_type in _GAIN1P_TYPES
+    gain1p = family_for(config.model_type).one_plus_norm_gains  # llama.cpp stores 1 + w for these norms
     rows = []
     for name, w in hf.items():
         base = name.removesuffix(".weight").removesuffix(".bias")

@@ -24,6 +24,7 @@ def _family(name, model_types, residual_moves, writers, notes=""):
         unfixable=_UNFIXABLE,
         notes=notes,
         residual_writers=(writers,),
+        one_plus_norm_gains=True,
     )
 
 

@@ -32,6 +32,7 @@ def _headless_tower(model) -> bool:
 FAMILY = Family(
     name="gemma3",
     model_types=("gemma3",),
+    one_plus_norm_gains=True,
     groups=(
         GroupSpec("residual", (*gemma_sandwich(q_k_norms=True, lm=LM), Move(f"{PROJECTOR}.mm_input_projection_weight")),
                   eps_power=2, eps_field="text_config.rms_norm_eps", eps_modules=(LM,),

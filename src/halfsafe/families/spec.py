@@ -159,7 +159,9 @@ class Family:
     # equals the config's value; no group may move their inputs.
     fixed_eps_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
-    fp32_modules_to_release: tuple[str, ...] = ()  # `_keep_in_fp32_modules` a pure-fp16 run must turn off
+    # The norms compute x * (1 + w) (Gemma): llama.cpp's converter stores 1 + w, so the GGUF check
+    # (halfsafe.export.gguf) compares the stored gains with 1 + w.
+    one_plus_norm_gains: bool = False
     # The modules whose outputs a block adds to its residual stream, named from the block (`self_attn.o_proj`), one
     # set per kind of block the family's models hold (decoder and encoder layers, a vision tower's layers). For each
     # block the first set whose modules all exist is taken, so a set goes before any set it contains. In sandwich

@@ -59,7 +59,6 @@ FAMILY = Family(
     eps_attrs=("layer_norm_epsilon",),
     unfixable="gated wi_0 pre-activations (GELU is not homogeneous); the wi pre-activation of an ungated "
               "non-ReLU feed-forward; raw QK^T + position bias logits under eager attention",
-    fp32_modules_to_release=("wo",),
     residual_writers=(T5_DECODER_WRITERS, ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo")),  # decoder, encoder
     notes="load float16 checkpoints with halfsafe.runtime.fp16.load_pure_fp16: a plain from_pretrained keeps wo "
           "in float32, which silently makes the residual float32",

@@ -52,24 +52,27 @@ class LoadedModel:
 
 
 def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, stream: bool = False,
-               device: str = "cpu") -> LoadedModel:
+               device: "str | torch.device" = "auto") -> LoadedModel:
     """Load `source` for measurement; weights in `dtype` (float32 by default: the reference). `stream`: keep the
     weights in the checkpoint and load one block at a time while the model runs (halfsafe.engine), where the
-    checkpoint's layout allows; otherwise (and for GGUF) the whole model is loaded."""
-    source = str(source)
+    checkpoint's layout allows; otherwise (and for GGUF) the whole model is loaded. `device` ("auto", "cpu", "cuda",
+    "cuda:N"): where it computes, resolved here and only here (halfsafe.engine.device), for every kind of source."""
+    from ..engine.device import resolve_device
+
+    source, device = str(source), resolve_device(device)
     if source in FIXTURE_NAMES:
         from .builtin import gemma3_270m_folder
 
         return _load_folder(gemma3_270m_folder(), dtype, source, stream, device)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, source)
+        return _load_gguf(path, dtype, source, device)
     if path.is_file():
         raise HalfsafeError(f"{source} is a file, not a model: give the model's folder (with config.json) or a .gguf file")
     if path.is_dir():
         return _load_folder(path, dtype, source, stream, device)
     if _looks_like_hub_id(source):
-        return _load_cached_hub_id(source, dtype)
+        return _load_cached_hub_id(source, dtype, stream, device)
     raise HalfsafeError(
         f"{source} does not exist: give a model folder, a .gguf file, a hub id already in the local cache, "
         f"or the built-in fixture name {FIXTURE_NAMES[0]!r}"
@@ -165,7 +168,7 @@ def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str
     return streamed.model
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu") -> LoadedModel:
     try:
         with quiet_transformers():
             config = from_pretrained(AutoConfig, path.parent, gguf_file=path.name)
@@ -183,7 +186,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedModel:
         tokenizer = from_pretrained(AutoTokenizer, path.parent, gguf_file=path.name)
     except Exception:
         tokenizer = None
-    return LoadedModel(model, tokenizer, source, None)
+    return LoadedModel(model.to(device) if device != "cpu" else model, tokenizer, source, None)
 
 
 def _forget_gguf_quantization(model: PreTrainedModel) -> None:
@@ -198,7 +201,7 @@ def _forget_gguf_quantization(model: PreTrainedModel) -> None:
             pass
 
 
-def _load_cached_hub_id(repo_id: str, dtype: torch.dtype) -> LoadedModel:
+def _load_cached_hub_id(repo_id: str, dtype: torch.dtype, stream: bool = False, device: str = "cpu") -> LoadedModel:
     from huggingface_hub import snapshot_download
 
     try:
@@ -208,7 +211,7 @@ def _load_cached_hub_id(repo_id: str, dtype: torch.dtype) -> LoadedModel:
             f"{repo_id} is neither a local path nor in the local Hugging Face cache: download it first "
             f"(hf download {repo_id}) or give a folder"
         ) from None
-    return _load_folder(folder, dtype, repo_id)  # a cached hub snapshot: small models, loaded whole
+    return _load_folder(folder, dtype, repo_id, stream, device)  # a cached hub snapshot, as a folder
 
 
 def _load_tokenizer(folder: Path):

@@ -44,7 +44,7 @@ def verify(
     greedy_tokens: int = 32,
     prompt_tokens: int = 16,
     variants: list[str] | None = None,
-    device: str | torch.device | None = None,
+    device: str | torch.device = "auto",
     progress: Callable[[str], None] | None = None,
     stream: bool = True,
     runtime: str | None = None,
@@ -75,11 +75,11 @@ def verify(
     name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
     if isinstance(model, nn.Module):
         original = model
-        if device is not None:
-            original.to(resolve_device(device) if isinstance(device, str) else device)
+        if str(device) != "auto":  # a model object stays where it is unless a device is named
+            original.to(resolve_device(device))
     else:
         with phase("load"):
-            loaded = load_model(model, torch.float32, stream=stream, device=resolve_device(device or "cpu"))
+            loaded = load_model(model, torch.float32, stream=stream, device=device)
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
