@@ -107,8 +107,12 @@ def _fp16_arith_option(p, what: str) -> None:
                         "float16 products are slow)")
 
 
+def _device_option(p, what: str = "one block on it at a time") -> None:
+    p.add_argument("--device", default="auto", type=_device, help=f"cpu, cuda or auto (default: cuda when torch sees a GPU): {what}")
+
+
 def _engine_options(p) -> None:
-    p.add_argument("--device", default="auto", type=_device, help="cpu, cuda or auto (default: cuda when torch sees a GPU): one block on it at a time")
+    _device_option(p)
     p.add_argument("--whole", action="store_true",
                    help="load the whole model into memory instead of one block at a time from its shards (faster for small models)")
 
@@ -238,6 +242,7 @@ def cmd_finetune(args) -> int:
     report, conversion, fp16 = finetune_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples, config=config,
         overwrite=args.overwrite, restart=args.restart, resume_from=args.resume_from, save_unconverged=args.save_unconverged,
+        device=args.device,
     )
     res = conversion.plan.exponents.get("residual")
     console.print(f"exact rescale first: {len(conversion.plan.tensors)} tensors" + (f", residual x 2^{res}" if res else ""))
@@ -372,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
+    _device_option(p, "where the whole model trains")
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("verify", help="compare fp32, bf16, fp16, fp16 baselines and a converted checkpoint on held-out text")

@@ -413,26 +413,22 @@ def convert_checkpoint(
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
-    from .calibration import long_sample_ids, read_texts
-    from .io.checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint, shard_size
-    from .io.loading import input_paths, load_model
+    from .calibration import long_sample_ids
+    from .io.checkpoint import check_out_dir, save_fp16_checkpoint, shard_size
+    from .io.loading import input_paths
+    from .job import calibration, start
 
-    check_out_dir(out, overwrite, inputs=input_paths(source))  # fail before the slow part
+    check_out_dir(out, overwrite, inputs=input_paths(source))  # options and output checked before the slow part
     check_options(max_context, headroom_bits)
     profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
     check_arith(fp16_arith)
     max_shard_size = shard_size(max_shard_size)
     if long_sample is not None and long_sample < 2:
         raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
-    with phase("load", quiet=not progress):
-        loaded = load_model(source, stream=stream, device=device)
-    family_for(loaded.model.config.model_type)  # unsupported architectures fail before scanning
-    check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])  # and a disk too small
-    vocab = loaded.model.config.get_text_config().vocab_size
-    samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
-    if long_sample:
-        samples.append(long_sample_ids(loaded.tokenizer, vocab, long_sample))  # last: samples[0] stays the probe/eval input
-    tokenizer = loaded.set_tokenizer_aside()  # only the ids are needed until the tokenizer is saved
+    loaded = start(source, out, overwrite, stream, device, progress)
+    # the long sample goes last: samples[0] stays the probe/eval input
+    job = calibration(loaded, texts, seq_len, max_samples, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None)
+    samples, tokenizer = job.samples, job.tokenizer
     report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
                             max_context=max_context, fp16_arith=fp16_arith, **profiled)
     check_storage(report.storage, "refusing to save (please report this)")
@@ -450,19 +446,17 @@ def apply_checkpoint(
     architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. Refused, with
     nothing written, when the plan would ruin a tensor's fp16 copy or the scan finds the result not fp16-safe (a
     fine-tune can grow activations); the returned scan says whether the plan's margin was kept."""
-    from .calibration import read_texts
-    from .io.checkpoint import check_out_dir, output_bytes, save_fp16_checkpoint
-    from .io.loading import input_paths, load_model
+    from .io.checkpoint import check_out_dir, save_fp16_checkpoint
+    from .io.loading import input_paths
+    from .job import calibration, start
 
     check_out_dir(out, overwrite, inputs=input_paths(source))
     plan = Plan.load(plan_path)
-    loaded = load_model(source, stream=stream, device=device)
-    check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])
+    loaded = start(source, out, overwrite, stream, device, progress)
     storage = apply_measured_(loaded.model, plan)
     check_storage(storage, f"this plan does not suit these weights; nothing was written. Run `halfsafe convert {source} OUT` instead")
-    vocab = loaded.model.config.get_text_config().vocab_size
-    samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
-    tokenizer = loaded.set_tokenizer_aside()
+    job = calibration(loaded, texts, seq_len, max_samples)
+    samples, tokenizer = job.samples, job.tokenizer
     after = scan(loaded.model, samples, fp16_check=True, progress=progress, name=str(source))
     peak = after.peak
     if not after.fp16_safe or after.first_nonfinite_fp16 is not None:  # never saved, never called safe

@@ -427,6 +427,7 @@ def finetune_checkpoint(
     resume_from: str | None = None,
     save_unconverged: bool = False,
     progress: bool = True,
+    device: str = "auto",
 ):
     """Load `source`, rescale exactly, fine-tune what no rescale reaches, save an fp16 checkpoint to `out`.
     Returns (FinetuneReport, ConversionReport, fp16 check dict).
@@ -434,11 +435,10 @@ def finetune_checkpoint(
     If `config.steps` run out with peaks still above the target, nothing is saved (unless
     `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
     so the same command with a larger --steps continues where this one stopped."""
-    from ..calibration import make_samples, read_texts
     from ..convert import make_fp16_safe
-    from ..families import family_for
     from ..io.checkpoint import check_out_dir, save_fp16_checkpoint
-    from ..io.loading import input_paths, load_model
+    from ..io.loading import input_paths
+    from ..job import calibration, start
 
     config = config or FinetuneConfig()
     config.check()
@@ -450,12 +450,9 @@ def finetune_checkpoint(
         raise HalfsafeError(f"--resume-from {resume_from}: no such file (the state is {STATE_NAME} in the partial folder)")
     if restart and state_file.exists():
         state_file.unlink()
-    texts = read_texts(None) if texts is None else texts
-    loaded = load_model(source)
-    model = loaded.model
-    family_for(model.config.model_type)  # unsupported architectures fail before the slow part
-    vocab = model.config.get_text_config().vocab_size
-    samples = make_samples(texts, loaded.tokenizer, vocab, seq_len, max_samples)
+    loaded = start(source, out, overwrite, stream=False, device=device, progress=progress)  # training holds every weight
+    job = calibration(loaded, texts, seq_len, max_samples)
+    model, samples = loaded.model, job.samples
     if samples:
         require_logits(model, samples[0])  # before the slow part, as for an unsupported architecture
     teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
@@ -472,7 +469,7 @@ def finetune_checkpoint(
         )
     fp16 = fp16_check(model, samples)
     info = {"source": str(source), **conversion.to_dict(), "finetune": report.to_dict(), "fp16_check_after_finetune": fp16}
-    save_fp16_checkpoint(model, loaded.tokenizer, out, info, loaded.folder, overwrite)
+    save_fp16_checkpoint(model, job.tokenizer(), out, info, loaded.folder, overwrite)
     if report.steps:
         _append_card(Path(out) / "README.md", report, fp16)
     if not resume_from:
