@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -56,7 +57,9 @@ class Group:
 
 
 def _template_regex(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(re.escape(placeholder(template)), r"(\d+)") + "$")
+    ph = placeholder(template)
+    assert ph is not None  # _matches calls this for templates with a placeholder only
+    return re.compile("^" + re.escape(template).replace(re.escape(ph), r"(\d+)") + "$")
 
 
 def _strip_base_prefix(model: PreTrainedModel, template: str) -> str:
@@ -116,6 +119,7 @@ def _resolve_select(move: Move, model: PreTrainedModel, expert: int | None = Non
         part = (dim, index)
     if move.expert is None:
         return part
+    assert expert is not None  # a per_expert group's moves (the only ones with Move.expert) come with their expert
     own = (move.expert, slice(expert, expert + 1))
     return (own,) if part is None else (own, part)
 
@@ -130,7 +134,8 @@ def select_parts(select) -> tuple:
 def _expert_count(family: Family, spec: GroupSpec, moves: list[Move], matched: dict, i: str, model: PreTrainedModel) -> int:
     """How many experts the fused tensors of block i stack (every move of the group must agree)."""
     params = dict(model.named_parameters())
-    sizes = {matched[m][i]: params[matched[m][i]].shape[m.expert] for m in moves}
+    # GroupSpec checks that every move of a per_expert group names its expert dim
+    sizes = {matched[m][i]: params[matched[m][i]].shape[cast(int, m.expert)] for m in moves}
     if len(set(sizes.values())) != 1:
         raise UnsupportedModelError(
             f"family {family.name}, group {spec.name}: the expert tensors of block {i} stack different numbers of "
@@ -192,11 +197,14 @@ def _block_prefix(template: str, model: PreTrainedModel, i: str) -> str:
     """The block a template names for group index i: `<list>.<i>` ({i}) or `<list>.<i+1>` ({i+1})."""
     template = _strip_base_prefix(model, template)
     ph = placeholder(template)
+    assert ph is not None  # called for per-block templates, which hold {i} or {i+1}
     return template[: template.index(ph)] + (str(int(i) + 1) if ph == NEXT_BLOCK else i)
 
 
 def _list_prefix(template: str) -> str:
-    return template[: template.index(placeholder(template))]
+    ph = placeholder(template)
+    assert ph is not None  # called for {i} templates only
+    return template[: template.index(ph)]
 
 
 def _check_same_blocks(family: Family, spec: GroupSpec, moves: list[Move], matched: dict) -> None:

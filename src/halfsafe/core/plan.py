@@ -13,7 +13,7 @@ import torch
 from ..engine.streamed import value_blocks
 from ..families import GAIN1P
 from .formats import FP16_MAX
-from .groups import Group, select_parts
+from .groups import Group, TensorMove, select_parts
 from .plan_schema import MIN_EXPONENT  # below this a scale pushes ordinary weights into fp16 subnormals
 from .rewrite import _index, eps_exponent, scoped_eps_exponents, select_key, tensor_exponents
 from .stats import SiteStats
@@ -33,10 +33,10 @@ class Constraint:
 def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, float]], groups: list[Group], params: dict[str, torch.Tensor]) -> list[Constraint]:
     """Measured activations plus every moved weight (a weight must fit fp16 too)."""
     powers_by_site: dict[str, dict[str, float]] = {}
-    for g, sites_moved in governed.items():
+    for group_name, sites_moved in governed.items():
         for site, p in sites_moved.items():
             if p:
-                powers_by_site.setdefault(site, {})[g] = p
+                powers_by_site.setdefault(site, {})[group_name] = p
     bad = next((name for name, s in sites.items() if not math.isfinite(s.abs_max)), None)
     if bad is not None:
         from ..errors import HalfsafeError
@@ -48,7 +48,7 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         for name, s in sites.items()
         if s.abs_max > 0
     ]
-    moves: dict[str, list[tuple[str, object]]] = {}  # param -> [(group, move)]
+    moves: dict[str, list[tuple[str, TensorMove]]] = {}  # param -> [(group, move)]
     for g in groups:
         for m in g.moves:
             moves.setdefault(m.param, []).append((g.name, m))

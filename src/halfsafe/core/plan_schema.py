@@ -5,6 +5,7 @@ is one line naming the field; exponents are never rounded or clamped into range.
 from __future__ import annotations
 
 import math
+from typing import NoReturn, TypeGuard
 
 from ..errors import HalfsafeError
 from ..families.spec import KINDS
@@ -74,7 +75,7 @@ def _exponent(value: object, name: str, low: int, high: int) -> None:
         _refuse(f"{name} is {_show(value)}; halfsafe's exponents there are integers from {low} to {high}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -89,5 +90,5 @@ def _show(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _refuse(why: str) -> None:
+def _refuse(why: str) -> NoReturn:
     raise HalfsafeError(f"not a halfsafe plan ({why}): {_FIX}")

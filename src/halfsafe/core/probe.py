@@ -102,7 +102,7 @@ def _passes(members: list[Group]) -> list[list[Group]]:
     """Split one spec's groups so that no two groups scaled together share a block. Groups inside one
     block each (every pre-norm pair) all go in one pass; groups spanning blocks i and i+1 take two.
     The experts of one block share it but not their sites ("...:expert<e>"): they go in one pass."""
-    passes: list[tuple[set[str], list[Group]]] = []
+    passes: list[tuple[set[tuple[str, int | None]], list[Group]]] = []  # (the (block, expert) pairs used, the groups)
     for g in members:
         blocks = {(b, g.expert) for b in g.blocks}
         for used, together in passes:

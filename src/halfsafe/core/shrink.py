@@ -302,7 +302,7 @@ def shrunk_model(model: PreTrainedModel, groups: list[Group] | None = None, seed
     real = _block_lists(model)
     pairs = groups is not None and _has_spans(groups)
     most = max((len(s) for s in real.values()), default=1)
-    why = "no block lists"
+    why: str | None = "no block lists"
     for layers in range(min(2, most), min(most, MAX_BLOCKS) + 1):
         try:  # some cuts do not build (Gemma 4: a shared-KV block with no block of its type before the cut)
             config = shrunk_config(model.config, layers)
@@ -333,10 +333,10 @@ class _Mapping:
         self.pair_rep: dict[str, str] = {}
         for prefix, sigs in self.real_lists.items():
             small_sigs = self.small_lists[prefix]
-            first = {}
+            first: dict[tuple, int] = {}  # block kind -> its first shrunk block
             for j, s in enumerate(small_sigs):
                 first.setdefault(s, j)
-            first_pair = {}
+            first_pair: dict[tuple[tuple, tuple], int] = {}
             for j, p in enumerate(zip(small_sigs, small_sigs[1:])):
                 first_pair.setdefault(p, j)
             for i, s in enumerate(sigs):
@@ -344,8 +344,8 @@ class _Mapping:
                 if spans and i + 1 < len(sigs):
                     self.pair_rep[f"{prefix}.{i}"] = f"{prefix}.{first_pair[(s, sigs[i + 1])]}"
         self.real_of: dict[str, list[str]] = defaultdict(list)  # shrunk block -> the real blocks it stands for
-        for r, s in self.rep.items():
-            self.real_of[s].append(r)
+        for real_block, small_block in self.rep.items():
+            self.real_of[small_block].append(real_block)
         self.small_blocks = [f"{p}.{j}" for p, s in self.small_lists.items() for j in range(len(s))]
 
     def rename(self, site: str, blocks: dict[str, list[str]], expert: int | None = None) -> list[str]:
@@ -401,6 +401,7 @@ def _expert_counterpart(g: Group, block_spec: str, small_groups: list[Group], go
     """The shrunk expert group standing for real expert g.expert: expert g.expert % n of the same block, or, where
     the probe's few tokens reached no token to it (its sites were never measured), the next expert that was
     reached: every expert of one block is the same module, so any reached one shows what the group moves."""
+    assert g.expert is not None  # called for expert groups only
     n = sum(1 for s in small_groups if f"{s.spec}@{s.block}" == block_spec) or 1
     names = [f"{block_spec}#{(g.expert + i) % n}" for i in range(n)]
     return next((c for c in names if governed.get(c)), names[0])

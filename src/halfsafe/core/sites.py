@@ -68,12 +68,14 @@ class Site:
     def expert(self) -> int | None:
         """The expert an expert site names, else None."""
         m = _KIND.fullmatch(self.kind)
+        assert m is not None  # __post_init__ refused any other kind
         return int(m.group(2)) if m.group(2) is not None else None
 
     @property
     def part(self) -> str:
         """"gate" or "up" for an expert's pre-activations, "" otherwise."""
         m = _KIND.fullmatch(self.kind)
+        assert m is not None  # __post_init__ refused any other kind
         return (m.group(3) or "")[1:]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -234,8 +235,17 @@ def is_fused_experts(module: nn.Module) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 3 and hasattr(module, "_apply_gate") and hasattr(module, "is_transposed")
 
 
+class FusedExperts(Protocol):
+    """What `expert_products` reads of a module `is_fused_experts` accepted (the rest it reads with defaults)."""
+
+    gate_up_proj: torch.Tensor
+    is_transposed: bool
+
+    def _apply_gate(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
 @torch.no_grad()
-def expert_products(module: nn.Module, args: tuple, kwargs: dict):
+def expert_products(module: FusedExperts, args: tuple, kwargs: dict):
     """(e, {"": gated product, "gate": gate pre-activation, "up": up pre-activation}) for every expert some
     token was routed to, as the module's own forward computes them: forward(hidden_states [T, H], top-k
     expert indices [T, k], routing weights); gate and up concatenated ([gate; up]) or interleaved."""
