@@ -77,7 +77,10 @@ def test_emulated_is_chosen_where_proven_and_float16_is_slow_and_a_listed_family
     monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 7.0)  # a CPU without AVX512-FP16
     assert fp16_arith.resolve(None, model)["used"] == fp16_arith.EMULATED
     monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 1.0)  # with it: PyTorch's own are as fast
-    assert fp16_arith.resolve(None, model)["used"] == fp16_arith.NATIVE
+    chosen = fp16_arith.resolve(None, model)
+    assert chosen["used"] == fp16_arith.NATIVE
+    monkeypatch.setattr(fp16_arith, "float16_products_slowdown", lambda: 1.3)
+    assert fp16_arith.resolve(None, model) == chosen, "halfsafe.json records the choice, never the timing it came from"
     assert fp16_arith.resolve("emulated", model)["used"] == fp16_arith.EMULATED
     assert fp16_arith.resolve("native", model) == {"asked": "native", "used": "native", "why": "asked for"}
     monkeypatch.setitem(fp16_arith.NATIVE_ONLY, "llama", "not proven")
