@@ -92,4 +92,5 @@ def test_the_block_lives_in_docs_results_md_as_the_saved_run_writes_it(scale_7b,
     copy = tmp_path / "results.md"
     copy.write_text(text)
     scale_7b.update_readme(json.loads((ROOT / "bench" / "results" / "scale_7b.json").read_text()), copy)
-    assert copy.read_text() == text  # what `--report-only --readme` writes from bench/results/scale_7b.json
+    assert copy.read_text() == text, ("docs/results.md's scale_7b block is not what bench/results/scale_7b.json gives: "
+                                      "run python bench/scale_7b.py --report-only --readme")
