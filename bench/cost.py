@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The README's cost table: wall time and peak memory of the real commands on the Gemma 3 270M fixture, each run
+"""The cost table of docs/results.md: wall time and peak memory of the real commands on the Gemma 3 270M fixture, each run
 under a hard memory cap (a cgroup v1 memory controller, `bench/memory_cap.py`).
 
     .venv/bin/python bench/cost.py            # writes bench/results/cost.{json,md}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The README's families table, made from the family data itself (groups, what stays unreachable), with the
+"""The families table of docs/how-it-works.md, made from the family data itself (groups, what stays unreachable), with the
 public checkpoints each family covers (by name, written here: documentation, not architecture knowledge).
 
     .venv/bin/python bench/families_table.py        # writes bench/results/families.md

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Regenerate the README's results: every precision variant against float32, on text never used for calibration.
+"""Regenerate the results in docs/results.md: every precision variant against float32, on text never used for calibration.
 
     .venv/bin/python bench/run_benchmarks.py                 # everything (CPU: ~30-60 min on 2 cores)
     .venv/bin/python bench/run_benchmarks.py --only gemma3   # the real Gemma 3 270M only

@@ -1,9 +1,9 @@
 """Convert and verify the DeepSeek-R1-Distill-Qwen-7B-architecture synthetic with the CLI, as a user runs it, under a
-hard memory cap; refit the README's 9B / 27B time projection from it.
+hard memory cap; refit the 9B / 27B time projection in docs/results.md from it.
 
     python bench/scale_7b.py [--size qwen7b] [--cap-gb 8] [--samples N] [--seq-len N]
                              [--verify-samples 1] [--verify-seq-len 512] [--greedy-tokens N] [--readme]
-    python bench/scale_7b.py --report-only [--readme]     # the .md (and the README block) again from the .json
+    python bench/scale_7b.py --report-only [--readme]     # the .md (and the docs/results.md block) again from the .json
 
 The checkpoint (bench/make_synthetic.py; kept between runs) is --checkpoint: by default /work/syn7b for qwen7b and
 /tmp/halfsafe-synthetic/<name> for the other sizes; OUT is WORK/<its name>-fp16 (--work, default /tmp/halfsafe-synthetic).
@@ -47,7 +47,7 @@ from run_benchmarks import git_commit  # noqa: E402,F401  (bench/gpu.py reads it
 DEFAULT_SIZE = "qwen7b"
 README_BEGIN = "<!-- scale_7b: begin"
 README_END = "<!-- scale_7b: end -->"
-PROJECTED = {"9B": 9e9, "27B": 27e9}  # as the README's projection names them (Gemma 2 9B, Gemma 3 27B)
+PROJECTED = {"9B": 9e9, "27B": 27e9}  # as docs/results.md's projection names them (Gemma 2 9B, Gemma 3 27B)
 
 
 class BenchError(Exception):
@@ -224,12 +224,12 @@ def projection_text(r: dict) -> str:
             f"time grows with parameters x calibration tokens), so {models}.{scope}")
 
 
-def update_readme(r: dict, readme: Path = ROOT / "README.md") -> None:
+def update_readme(r: dict, readme: Path = ROOT / "docs" / "results.md") -> None:
     if r["size"] != DEFAULT_SIZE:
         raise BenchError(f"--readme takes the {DEFAULT_SIZE} run only (this one is {r['size']}): rerun with --size {DEFAULT_SIZE}")
     text = readme.read_text()
     if README_BEGIN not in text or README_END not in text:
-        raise BenchError(f"README.md has no '{README_BEGIN} ... {README_END}' block to fill: add the two markers")
+        raise BenchError(f"{readme} has no '{README_BEGIN} ... {README_END}' block to fill: add the two markers")
     head, rest = text.split(README_BEGIN, 1)
     marker_line, rest = rest.split("\n", 1)
     _, tail = rest.split(README_END, 1)
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-output", action="store_true", help="keep the converted fp16 folder")
     ap.add_argument("--results", default=str(RESULTS), help="where the .json and .md go (default bench/results)")
     ap.add_argument("--report-only", action="store_true", help="rewrite the .md (and --readme) from the saved .json")
-    ap.add_argument("--readme", action="store_true", help="also fill README.md's scale_7b block (the qwen7b run only)")
+    ap.add_argument("--readme", action="store_true", help="also fill the scale_7b block of docs/results.md (the qwen7b run only)")
     args = ap.parse_args(argv)
     name = results_name(args.size)
     results = Path(args.results)

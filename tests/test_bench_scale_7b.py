@@ -1,8 +1,11 @@
 """bench/scale_7b.py's report: the table, per-phase timings and checkpoint reads when the CLI's reports have them (and
-a plain note when not), the 9B / 27B projection computed from the measured convert, and the README block it fills."""
+a plain note when not), the 9B / 27B projection computed from the measured convert, and the docs/results.md block it
+fills."""
 
 from __future__ import annotations
 
+import inspect
+import json
 from pathlib import Path
 
 import pytest
@@ -78,3 +81,16 @@ def test_readme_block_is_filled_between_its_markers_only(scale_7b, tmp_path):
     readme.write_text("no markers\n")
     with pytest.raises(scale_7b.BenchError, match="markers"):
         scale_7b.update_readme(r, readme)
+
+
+def test_the_block_lives_in_docs_results_md_as_the_saved_run_writes_it(scale_7b, tmp_path):
+    target = inspect.signature(scale_7b.update_readme).parameters["readme"].default
+    assert target == ROOT / "docs" / "results.md"
+    text = target.read_text()
+    assert text.count(scale_7b.README_BEGIN) == 1 and text.count(scale_7b.README_END) == 1
+    assert scale_7b.README_BEGIN not in (ROOT / "README.md").read_text()  # the README links to it instead
+    copy = tmp_path / "results.md"
+    copy.write_text(text)
+    scale_7b.update_readme(json.loads((ROOT / "bench" / "results" / "scale_7b.json").read_text()), copy)
+    assert copy.read_text() == text, ("docs/results.md's scale_7b block is not what bench/results/scale_7b.json gives: "
+                                      "run python bench/scale_7b.py --report-only --readme")

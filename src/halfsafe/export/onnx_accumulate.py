@@ -6,7 +6,7 @@ with the number of runs. The head is where that costs most: its outputs are the 
 vocabulary, and its K (the hidden size) is summed in one running sum. x W^T = sum_g x[:, K_g] W[:, K_g]^T holds exactly
 in real arithmetic, so the graph computes the same function; each group's running sum is a quarter as long, and the
 four partial logits meet in a two-level float16 tree. Measured on Gemma 3 270M under the profile's emulation
-(README): KL 7.6e-05 -> 5.3e-05. The weight is sliced inside the graph (a tied head keeps one stored matrix).
+(docs/results.md): KL 7.6e-05 -> 5.3e-05. The weight is sliced inside the graph (a tied head keeps one stored matrix).
 """
 
 from __future__ import annotations
