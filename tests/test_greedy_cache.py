@@ -85,3 +85,28 @@ def test_streamed_greedy_caches_and_runs_each_block_once_per_token(key, tmp_path
     assert {runs[u] for u in decoder} == {TOKENS}, runs
     assert {runs[u] for u in runs if u not in decoder} <= {0, 1}, runs  # a T5 encoder once; Gemma 3's vision tower never
     assert s.loads - before <= one_forward * TOKENS
+
+
+def test_resident_keeps_the_weights_only_where_all_of_them_fit(tmp_path):
+    """Forwards read the units in the same order each time: a cache that holds them all reads each once, and one that
+    holds less would keep nothing until it is needed again, so it is not used (and cannot make a wide matrix whole)."""
+    from halfsafe.engine.streamed import resident
+
+    save_tiny("llama", tmp_path / "m")
+    streamed = load_model(tmp_path / "m", stream=True).model
+    s = streamed_of(streamed)
+    ids = tiny_ids(streamed, PROMPT)
+    total = s.weight_bytes()
+    assert total == sum(p.numel() * 4 for p in load_model(tmp_path / "m").model.parameters())
+
+    def reads_of_second_forward(cache: int) -> int:
+        with resident(streamed, cache):
+            streamed(ids)
+            before = s.loads
+            streamed(ids)
+            return s.loads - before
+
+    assert reads_of_second_forward(total) == 0
+    with resident(streamed, total - 1):
+        assert s.cache_bytes == 0
+    assert reads_of_second_forward(total - 1) > 0

@@ -94,7 +94,7 @@ class Shards:
         if len(shape) >= 2 and math.prod(shape) * stored.itemsize > READ_BYTES:
             out = torch.empty(shape, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
             for a, b in row_spans(shape[0], rows_per_read(shape, stored.itemsize)):
-                out[a:b] = self.load_rows(key, a, b, out.dtype)
+                self._rows_into(key, a, b, out[a:b])
             return out
         self.bytes_read += math.prod(shape) * stored.itemsize
         if self._stack is not None:
@@ -112,6 +112,14 @@ class Shards:
         self.bytes_read += (min(stop, shape[0]) - min(start, shape[0])) * math.prod(shape[1:]) * self.dtype(key).itemsize
         with safe_open(self._paths[self.file_of[key]], "pt") as f:
             return _owned(f.get_slice(key)[start:stop], dtype)
+
+    def _rows_into(self, key: str, start: int, stop: int, dest: torch.Tensor) -> None:
+        """`load_rows` written into `dest` (cast as `copy_` casts, the same single rounding as `.to`): no
+        intermediate tensor for a block of a large tensor."""
+        shape = self.shape(key)
+        self.bytes_read += (stop - start) * math.prod(shape[1:]) * self.dtype(key).itemsize
+        with safe_open(self._paths[self.file_of[key]], "pt") as f:
+            dest.copy_(f.get_slice(key)[start:stop])
 
     def load_index(self, key: str, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stored rows `rows` (sorted, distinct), stacked in that order; runs of consecutive rows are read at once."""

@@ -14,6 +14,7 @@ computed afresh from the stored values each time, so trying and undoing a plan l
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -116,6 +117,11 @@ class Streamed:
             return False
         size = shape[0] * shape[1] * torch.empty((), dtype=self._dtype_of(name)).element_size()
         return size > max(self.wide_bytes, self.cache_bytes)
+
+    def weight_bytes(self) -> int:
+        """What every parameter takes in the dtype the model computes in (each parameter once, tied ones too)."""
+        return sum(math.prod(self.shards.shape(self.key_of[n])) * torch.empty((), dtype=self._dtype_of(n)).element_size()
+                   for n in self.key_of)
 
     def rescaled_alike(self, name: str) -> bool:
         """Every rescale of `name` acts on each element alike, so any block of its rows can be rescaled on its own."""
@@ -446,9 +452,12 @@ def stem_held(model: nn.Module):
 def resident(model: nn.Module, cache_bytes: int):
     """Within: a streamed model keeps the tensors it loads, up to `cache_bytes` of them beyond the running unit, so
     that repeated forwards (greedy generation: one per token) read each unit once instead of once per forward. The
-    same load path, with the cache allowed to hold what fits; freed on leaving. A no-op for an in-memory model."""
+    same load path, with the cache allowed to hold what fits; freed on leaving. A no-op for an in-memory model, and
+    where the model's weights do not all fit in `cache_bytes`: forwards read the units in the same order every time,
+    so a cache that holds less than all of them keeps none until it is needed again (the oldest goes first), and a
+    larger cache would only make matrices read whole that are cheaper read a slice at a time (`_is_wide`)."""
     s = streamed_of(model)
-    if s is None:
+    if s is None or s.weight_bytes() > cache_bytes:
         yield
         return
     saved = s.cache_bytes
