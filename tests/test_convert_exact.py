@@ -410,8 +410,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(halfsafe.io.checkpoint, "save_fp16_checkpoint", record("save"))
     monkeypatch.setattr(halfsafe.io.loading, "load_model", record("load", loaded))
     monkeypatch.setattr(halfsafe.calibration, "long_sample_ids", record("long", "LONG"))
-    monkeypatch.setattr(convert, "resolve_device", lambda d: f"resolved {d}")
-    monkeypatch.setattr(convert, "make_samples", record("samples", lambda: [sample]))
+    monkeypatch.setattr(halfsafe.calibration, "make_samples", record("samples", lambda: [sample]))  # cut in halfsafe.job
     monkeypatch.setattr(convert, "make_fp16_safe", record("make", report))
     monkeypatch.setattr(convert, "apply_measured_", record("apply", list))
     return SimpleNamespace(calls=calls, loaded=loaded, report=report, sample=sample, record=record)
@@ -422,7 +421,7 @@ def test_convert_checkpoint_defaults_reach_each_step(recorded):
     assert convert_checkpoint("src", "out") is r.report
     assert r.calls == [
         ("check", ("out", False), {"inputs": input_paths("src")}),  # what MODEL names, as far as known before loading
-        ("load", ("src",), {"stream": True, "device": "resolved auto"}),
+        ("load", ("src",), {"stream": True, "device": "auto"}),
         ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", ([default_text()], "TOK", 300, 512, 8), {}),
         ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None, "fp16_arith": None}),
@@ -437,7 +436,7 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
                        overwrite=True, progress=False, long_sample=2, stream=False, device="cpu", max_shard_size="1GB")
     assert r.calls == [
         ("check", ("out", True), {"inputs": input_paths("src")}),
-        ("load", (Path("src"),), {"stream": False, "device": "resolved cpu"}),
+        ("load", (Path("src"),), {"stream": False, "device": "cpu"}),
         ("check", ("out", True, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", (["a text"], "TOK", 300, 64, None), {}),
         ("long", ("TOK", 300, 2), {}),
@@ -482,7 +481,7 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
     monkeypatch.setattr(convert, "scan", r.record("scan", after))
     steps = [
         ("check", ("out", False), {"inputs": input_paths("src")}),
-        ("load", ("src",), {"stream": True, "device": "resolved auto"}),
+        ("load", ("src",), {"stream": True, "device": "auto"}),
         ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("apply", (m, plan), {}),
         ("samples", ([default_text()], "TOK", 300, 256, 2), {}),
@@ -511,7 +510,7 @@ def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_pat
                      progress=False, stream=False, device="cpu")
     assert [c[:2] for c in r.calls[:5]] == [("check", ("out", True)), ("load", (Path("src"),)), ("check", ("out", True, 12345)),
                                             ("apply", (m, plan)), ("samples", (["t"], "TOK", 300, 32, None))]
-    assert r.calls[1][2] == {"stream": False, "device": "resolved cpu"}
+    assert r.calls[1][2] == {"stream": False, "device": "cpu"}
     assert r.calls[5][2] == {"fp16_check": True, "progress": False, "name": "src"}
     assert r.calls[6][1][3]["source"] == "src" and r.calls[6][1][5] is True and r.calls[6][2] == {"progress": False}
     # a plan that cannot be read fails after the first output check, before loading

@@ -191,7 +191,7 @@ def test_streamed_model_with_every_matrix_wide_emulates_as_the_whole(tmp_path, m
 
 
 def test_t5_norms_are_rms_norms_and_every_kind_is_counted():
-    from halfsafe.runtime.fp16 import emulate
+    from halfsafe.runtime import emulate
 
     model = make_tiny("mt5")
     half = cast_copy(model, torch.float16).eval()

@@ -118,14 +118,14 @@ def test_the_loader_itself_never_runs_a_folders_code(model, tmp_path, monkeypatc
 
 
 def test_every_transformers_load_goes_through_the_one_that_refuses_remote_code():
-    """No `X.from_pretrained(...)` call anywhere in halfsafe but in trust.py (which passes trust_remote_code=False)."""
+    """No `X.from_pretrained(...)` call anywhere in halfsafe but in io/trust.py (which passes trust_remote_code=False)."""
     src = Path(halfsafe.__file__).parent
     calls = []
     for path in src.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained":
                 calls.append(f"{path.relative_to(src)}:{node.lineno}")
-    assert calls and all(c.startswith("trust.py:") for c in calls), calls
+    assert calls and all(c.startswith("io/trust.py:") for c in calls), calls
 
 
 # --- MODEL never written, replaced or deleted ----------------------------------------------------------------------

@@ -686,15 +686,15 @@ def test_verify_options_with_folders(wired):
     assert wired.calls[1][2:4] == (["A"], "MINE") and wired.calls[5] == ("run", "built _Original() True torch.float16", HALFSAFE)
     wired.calls.clear()
     compare.verify(Path("orig"), texts=["a"], tokenizer="MINE", variants=[FP16], stream=False)
-    assert wired.calls[0] == ("load", Path("orig"), torch.float32, False, "cpu") and wired.calls[2][3] == "MINE"
+    assert wired.calls[0] == ("load", Path("orig"), torch.float32, False, "auto") and wired.calls[2][3] == "MINE"  # resolved by load_model
     assert wired.calls[-3] == ("build", False, "DEV")
     wired.calls.clear()
     compare.verify("orig", variants=[], device=torch.device("cpu"))
-    assert wired.calls[0] == ("load", "orig", torch.float32, True, "cpu")
+    assert wired.calls[0] == ("load", "orig", torch.float32, True, torch.device("cpu"))  # load_model resolves it
     obj = _Original()
     compare.verify(obj, variants=[], device="cpu")
     compare.verify(obj, variants=[], device=torch.device("cpu"))
-    assert obj.moved == ["cpu", torch.device("cpu")]  # a model object is moved to the device
+    assert obj.moved == ["cpu", "cpu"]  # a model object is moved to the device, resolved
     with pytest.raises(HalfsafeError, match="^unknown device 'tpu'"):
         compare.verify(obj, variants=[], device="tpu")
 

@@ -414,11 +414,10 @@ def convert_checkpoint(
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
     from .calibration import long_sample_ids
-    from .io.checkpoint import check_out_dir, save_fp16_checkpoint, shard_size
-    from .io.loading import input_paths
-    from .job import calibration, start
+    from .io.checkpoint import save_fp16_checkpoint, shard_size
+    from .job import calibration, check_output, start
 
-    check_out_dir(out, overwrite, inputs=input_paths(source))  # options and output checked before the slow part
+    check_output(source, out, overwrite)  # the output, then the options, before the slow part
     check_options(max_context, headroom_bits)
     profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
     check_arith(fp16_arith)
@@ -446,11 +445,10 @@ def apply_checkpoint(
     architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. Refused, with
     nothing written, when the plan would ruin a tensor's fp16 copy or the scan finds the result not fp16-safe (a
     fine-tune can grow activations); the returned scan says whether the plan's margin was kept."""
-    from .io.checkpoint import check_out_dir, save_fp16_checkpoint
-    from .io.loading import input_paths
-    from .job import calibration, start
+    from .io.checkpoint import save_fp16_checkpoint
+    from .job import calibration, check_output, start
 
-    check_out_dir(out, overwrite, inputs=input_paths(source))
+    check_output(source, out, overwrite)
     plan = Plan.load(plan_path)
     loaded = start(source, out, overwrite, stream, device, progress)
     storage = apply_measured_(loaded.model, plan)

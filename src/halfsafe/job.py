@@ -1,8 +1,9 @@
 """What every command that writes a checkpoint shares: load -> samples -> work -> save.
 
-`start` checks the output folder before anything slow (it must not exist unless --overwrite, and must not be or hold
-the model), loads the model (streamed where asked and possible, on the device asked: halfsafe.io.loading), refuses an
-unsupported architecture, and checks the disk for the output's size. `calibration` cuts the samples and sets the
+`check_output` checks the output folder before anything slow (it must not exist unless --overwrite, and must not be or
+hold the model); each command calls it first, then checks its own options. `start` loads the model (streamed where asked
+and possible, on the device asked: halfsafe.io.loading), refuses an unsupported architecture, and checks the disk for
+the output's size. `calibration` cuts the samples and sets the
 tokenizer aside until the save (Gemma 3's holds 0.33 GB). convert, apply and finetune supply only the work between.
 """
 
@@ -24,13 +25,20 @@ class Job:
     tokenizer: Callable  # gives the tokenizer back, for the save (LoadedModel.set_tokenizer_aside)
 
 
-def start(source: str, out: str, overwrite: bool, stream: bool, device, progress: bool) -> LoadedModel:
-    """The output folder checked, the model loaded and its family known, the disk checked for the output."""
+def check_output(source, out, overwrite: bool) -> None:
+    """OUT may be written (or replaced, with overwrite) and is not the model or inside it: before anything slow."""
+    from .io.checkpoint import check_out_dir
+    from .io.loading import input_paths
+
+    check_out_dir(out, overwrite, inputs=input_paths(source))
+
+
+def start(source, out, overwrite: bool, stream: bool, device, progress: bool) -> LoadedModel:
+    """The model loaded and its family known, the disk checked for the output (`check_output` came first)."""
     from .families import family_for
     from .io.checkpoint import check_out_dir, output_bytes
     from .io.loading import input_paths, load_model
 
-    check_out_dir(out, overwrite, inputs=input_paths(source))  # fail before the slow part
     with phase("load", quiet=not progress):
         loaded = load_model(source, stream=stream, device=device)
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before the work

@@ -436,13 +436,12 @@ def finetune_checkpoint(
     `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
     so the same command with a larger --steps continues where this one stopped."""
     from ..convert import make_fp16_safe
-    from ..io.checkpoint import check_out_dir, save_fp16_checkpoint
-    from ..io.loading import input_paths
-    from ..job import calibration, start
+    from ..io.checkpoint import save_fp16_checkpoint
+    from ..job import calibration, check_output, start
 
     config = config or FinetuneConfig()
     config.check()
-    check_out_dir(out, overwrite, inputs=input_paths(source))
+    check_output(source, out, overwrite)
     if restart and resume_from:
         raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
     state_file = Path(resume_from) if resume_from else partial_dir(out) / STATE_NAME
