@@ -173,7 +173,8 @@ def test_verify_in_step_reports_what_the_per_sample_runs_report(key, tmp_path):
     reads, reads_apart = together["checkpoint_reads"], alone["checkpoint_reads"]
     for variant in ("fp32", "bf16", "fp16"):  # each unit once, not once per sample (qwen2_vl's text runs no vision tower)
         assert reads[variant] == (1.0 if key != "qwen2_vl" else 0.87), (variant, reads)
-        assert reads_apart[variant] == pytest.approx(3 * reads[variant], abs=0.02), (variant, reads_apart)
+        runs = 3 + (variant != "fp32")  # the samples, and a variant's teacher-forced greedy forward (verify.forced)
+        assert reads_apart[variant] == pytest.approx(runs * reads[variant], abs=0.005 * runs + 0.01), (variant, reads_apart)  # rounded to 0.01
     assert reads["fp32 greedy"] == reads_apart["fp32 greedy"]
 
 
