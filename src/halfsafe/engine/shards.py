@@ -108,16 +108,17 @@ class Shards:
     def load_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows [start, stop) of the stored tensor, as `load` gives the whole. The file is opened for this read
         alone: only these rows' pages are ever mapped."""
-        shape = self.shape(key)
-        self.bytes_read += (min(stop, shape[0]) - min(start, shape[0])) * math.prod(shape[1:]) * self.dtype(key).itemsize
-        with safe_open(self._paths[self.file_of[key]], "pt") as f:
-            return _owned(f.get_slice(key)[start:stop], dtype)
+        shape, stored = self.shape(key), self.dtype(key)
+        stop = min(stop, shape[0])
+        start = min(start, stop)
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype if dtype is not None and stored.is_floating_point else stored)
+        self._rows_into(key, start, stop, out)
+        return out
 
     def _rows_into(self, key: str, start: int, stop: int, dest: torch.Tensor) -> None:
-        """`load_rows` written into `dest` (cast as `copy_` casts, the same single rounding as `.to`): no
-        intermediate tensor for a block of a large tensor."""
-        shape = self.shape(key)
-        self.bytes_read += (stop - start) * math.prod(shape[1:]) * self.dtype(key).itemsize
+        """Rows [start, stop) (within the tensor) written into `dest`, cast as `copy_` casts (the single rounding `.to`
+        makes): a block of a large tensor goes straight into its place."""
+        self.bytes_read += (stop - start) * math.prod(self.shape(key)[1:]) * self.dtype(key).itemsize
         with safe_open(self._paths[self.file_of[key]], "pt") as f:
             dest.copy_(f.get_slice(key)[start:stop])
 

@@ -120,8 +120,7 @@ class Streamed:
 
     def weight_bytes(self) -> int:
         """What every parameter takes in the dtype the model computes in (each parameter once, tied ones too)."""
-        return sum(math.prod(self.shards.shape(self.key_of[n])) * torch.empty((), dtype=self._dtype_of(n)).element_size()
-                   for n in self.key_of)
+        return sum(math.prod(self.shards.shape(self.key_of[n])) * self._dtype_of(n).itemsize for n in self.key_of)
 
     def rescaled_alike(self, name: str) -> bool:
         """Every rescale of `name` acts on each element alike, so any block of its rows can be rescaled on its own."""

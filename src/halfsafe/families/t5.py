@@ -22,15 +22,15 @@ transformers keeps `wo` in float32 when loading float16 (`_keep_in_fp32_modules`
 """
 
 from .builders import (
-                       T5_DEC_CROSS,
-                       T5_DEC_FF,
-                       T5_DEC_SELF,
-                       T5_DECODER_WRITERS,
-                       T5_ENC,
-                       T5_ENC_FF,
-                       has_decoder,
-                       t5_stack_pairs,
-                       weight,
+    T5_DEC_CROSS,
+    T5_DEC_FF,
+    T5_DEC_SELF,
+    T5_DECODER_WRITERS,
+    T5_ENC,
+    T5_ENC_FF,
+    has_decoder,
+    t5_stack_pairs,
+    weight,
 )
 from .spec import Family, GroupSpec, Move, tied_head
 

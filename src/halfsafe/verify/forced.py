@@ -71,7 +71,7 @@ def forced_tokens(rows: torch.Tensor, sequence: torch.Tensor, start: int, proces
     out = []
     for j, token in enumerate(want):
         ids = sequence[:, :start + j]
-        scores = processors(ids, rows[j:j + 1].clone()) if processors is not None else rows[j:j + 1]
+        scores = processors(ids, rows[j:j + 1].clone())
         picked = int(torch.argmax(scores, dim=-1))
         out.append(picked)
         if picked != token:

@@ -108,11 +108,10 @@ class ReferenceCache:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.greedy: list[list[int]] = []
-        # per text: the reference's generated sequence, the logits processors its generate used, and whether its own
-        # teacher-forced forward gave its generated tokens back (then the variants' greedy comes from one such forward)
-        self.sequences: list[torch.Tensor] = []
-        self.processors: list = []
-        self.forced: list[bool] = []
+        # per text: (the reference's generated sequence, the logits processors its generate used) where its own
+        # teacher-forced forward gave its generated tokens back, so the variants' greedy comes from one such forward;
+        # None where they generate token by token
+        self.teacher: list[tuple[torch.Tensor, object] | None] = []
         self.shapes: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def _path(self, t: int, s: int) -> Path:
@@ -184,9 +183,7 @@ class Runner:
             if not ok:
                 log.warning("text %d: one forward over fp32's generated tokens does not give them back; every variant "
                             "generates its greedy tokens one by one", t + 1)
-            self.refs.sequences.append(sequence)
-            self.refs.processors.append(built[0] if built else None)
-            self.refs.forced.append(ok)
+            self.refs.teacher.append((sequence, built[0]) if ok else None)
         return toks
 
     @torch.no_grad()
@@ -222,9 +219,9 @@ class Runner:
 
                 runs = [partial(forward, s, ids) for s, ids in enumerate(text_samples)]
                 greedy_here = self.greedy_tokens > 0 and model.can_generate()
-                forced = greedy_here and not reference and self.refs.forced[t]
-                if forced:  # the variant's greedy agreement from one forward, in step with its samples' (verify.forced)
-                    runs.append(partial(forced_rows, model, self.inputs.prompts[t], self.refs.sequences[t]))
+                teacher = self.refs.teacher[t] if greedy_here and not reference else None
+                if teacher is not None:  # its greedy agreement from one forward, in step with its samples (verify.forced)
+                    runs.append(partial(forced_rows, model, self.inputs.prompts[t], teacher[0]))
                 n_samples, got = len(text_samples), {}
 
                 def then(i, out):
@@ -242,12 +239,12 @@ class Runner:
                     for lo, hi in ((0, alone), (alone, len(runs))):
                         in_step(model, runs[lo:hi], then=lambda i, out, lo=lo: then(lo + i, out))
                 seconds += time.perf_counter() - start - comparing
-                tokens += sum(ids.numel() for ids in text_samples) + (self.refs.sequences[t].shape[1] - 1 if forced else 0)
+                tokens += sum(ids.numel() for ids in text_samples) + (teacher[0].shape[1] - 1 if teacher is not None else 0)
                 if measured:
                     peak_act, method = measured["bytes"], measured["method"]
-                if forced:
-                    start = start_length(model, self.inputs.prompts[t])
-                    toks = forced_tokens(got.pop("rows"), self.refs.sequences[t], start, self.refs.processors[t])
+                if teacher is not None:
+                    sequence, processors = teacher
+                    toks = forced_tokens(got.pop("rows"), sequence, start_length(model, self.inputs.prompts[t]), processors)
                 elif greedy_here:
                     toks = self._generate(model, variant, t, text, logit_bytes, reference)
                 if greedy_here:
