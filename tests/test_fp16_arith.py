@@ -133,9 +133,17 @@ def test_convert_candidates_are_the_same_either_way_and_say_how_they_ran(tmp_pat
         assert rc == 0 and (ran > 0) == (arith == "emulated")
         reports[arith] = json.loads((out / "halfsafe.json").read_text())
         assert reports[arith]["fp16_arith"]["used"] == arith
-    assert [c["kl"] for c in reports["emulated"]["candidates"]] == [c["kl"] for c in reports["native"]["candidates"]]
-    assert reports["emulated"]["plan"]["exponents"] == reports["native"]["plan"]["exponents"]
-    assert (tmp_path / "out-emulated" / "model.safetensors").read_bytes() == (tmp_path / "out-native" / "model.safetensors").read_bytes()
+    # the same up to the order of float32 sums, which PyTorch's float16 kernels choose per CPU: identical on this
+    # project's Intel machines, 1.6% apart on an AMD EPYC (4.988e-9 against 4.910e-9: a few products rounded the other way)
+    em, na = ([c["kl"] for c in reports[a]["candidates"]] for a in ("emulated", "native"))
+    assert em == pytest.approx(na, rel=5e-2)
+    if reports["emulated"]["plan"]["exponents"] == reports["native"]["plan"]["exponents"]:  # where the kernels agree (Intel)
+        assert (tmp_path / "out-emulated" / "model.safetensors").read_bytes() == (tmp_path / "out-native" / "model.safetensors").read_bytes()
+    else:  # AMD EPYC: this llama's candidates lie within 1% of each other and their order flips (emulated: 4.988e-9 at
+        # 2^0, then 5.016e-9 and 5.021e-9; native: 4.897e-9 at 2^-1, then 4.910e-9): each choice is within that noise
+        chosen = {a: next(i for i, c in enumerate(reports[a]["candidates"])
+                          if {k: v for k, v in c["exponents"].items() if v} == reports[a]["plan"]["exponents"]) for a in reports}
+        assert em[chosen["native"]] == pytest.approx(min(em), rel=5e-2) and na[chosen["emulated"]] == pytest.approx(min(na), rel=5e-2)
 
 
 def test_verify_fp16_variants_say_how_they_ran(tmp_path):
@@ -149,4 +157,4 @@ def test_verify_fp16_variants_say_how_they_ran(tmp_path):
     assert ran["emulated"] > 0 and ran["native"] == 0
     assert reports["emulated"].to_dict()["fp16_arith"]["used"] == "emulated"
     kl = {a: next(r.overall.kl_mean for r in rep.results if r.variant.name == "fp16") for a, rep in reports.items()}
-    assert kl["emulated"] == kl["native"] > 0
+    assert kl["emulated"] == pytest.approx(kl["native"], rel=5e-2) and kl["native"] > 0  # measured: equal on Intel, 0.2% apart on AMD EPYC
