@@ -48,8 +48,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from ..core.formats import FP16_MAX
-from ..core.sites import Hooks, Site, block_of, find_blocks, within
-from ..core.stats import first_tensor
+from ..core.sites import Site, block_of, find_blocks, within
+from ..core.stats import SiteCollector
 from ..engine.forward import model_inputs
 from ..errors import HalfsafeError
 from ..scan import collect
@@ -123,27 +123,22 @@ class FinetuneReport:
 
 
 # -- hooks --------------------------------------------------------------------------------------
-class _Penalty:
-    """Differentiable hinge at the watched sites, and their peaks, for one forward pass."""
+class _Penalty(SiteCollector):
+    """Differentiable hinge at the watched sites, and their peaks, for one forward pass: the tensors keep their
+    graph (nothing here detaches what the loss uses)."""
 
     def __init__(self, model: nn.Module, sites: list[str], hinge: float):
+        super().__init__(model)
         self.hinge = hinge
         self.total: torch.Tensor | None = None
         self.peaks: dict[str, float] = {}
-        self._handles = Hooks()
-        modules = dict(model.named_modules())
         for site in sites:
             where = Site.parse(site)
-            m = modules[where.module]
-            if where.kind == "in":
-                self._handles.add_pre(m, lambda mod, args, s=site: self._add(s, args))
-            else:
-                self._handles.add_post(m, lambda mod, args, out, s=site: self._add(s, out))
+            # no hook sees an expert's product (inside its fused module): its module's output stands for it, every
+            # call of a module is penalised under the one site
+            self.watch(Site(where.module, "in" if where.kind == "in" else "out"), name=site)
 
-    def _add(self, site: str, value) -> None:
-        t = first_tensor(value)
-        if t is None:
-            return
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
         a = t.abs().float()
         self.peaks[site] = max(self.peaks.get(site, 0.0), float(a.detach().max()))
         if not t.requires_grad:
@@ -153,9 +148,6 @@ class _Penalty:
 
     def reset(self) -> None:
         self.total, self.peaks = None, {}
-
-    def remove(self) -> None:
-        self._handles.remove()
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
