@@ -52,7 +52,7 @@ from ..core.sites import Site, block_of, find_blocks, within
 from ..core.stats import SiteCollector
 from ..engine.forward import model_inputs
 from ..errors import HalfsafeError
-from ..scan import collect
+from ..scan import check_fp16, collect
 
 STATE_VERSION = 1
 STATE_NAME = "finetune_state.pt"
@@ -468,21 +468,13 @@ def finetune_checkpoint(
     return report, conversion, fp16
 
 
-FP16_CHECK_TOKENS = 128
-
-
 @torch.no_grad()
 def fp16_check(model: nn.Module, samples: list[torch.Tensor]) -> dict:
-    """An fp16 copy on a short prefix of the first samples: finite, and the largest |x| it computes."""
-    from ..engine.precision import cast_copy
+    """The fp16 check `scan --fp16-check` runs (`scan.check_fp16`, in the arithmetic convert's trials use), every site
+    measured: finite, the largest |x| and its site, and the tokens it ran."""
+    from ..engine.fp16_arith import resolve
 
-    half = cast_copy(model, torch.float16).eval()
-    ids = [s[:, :FP16_CHECK_TOKENS] for s in samples[:2]]
-    sites = collect(half, ids, progress=False)
-    del half
-    top = max(sites.values(), key=lambda s: s.abs_max)
-    return {"finite": all(math.isfinite(s.abs_max) for s in sites.values()), "peak": top.abs_max, "peak_site": top.name,
-            "tokens": sum(i.numel() for i in ids)}
+    return check_fp16(model, samples, resolve(None, model)["used"], stats=True).summary()
 
 
 def _append_card(path: Path, report: FinetuneReport, fp16: dict) -> None:
