@@ -1,7 +1,7 @@
 """Cheap peak sampling during training: |x| max at chosen sites on one forward pass, then the hooks go.
 
 Sites are named as `stats.ActivationCollector` names them ("module:out", "leaf:in"), so sampled peaks
-plug straight into the planner (`plan.constraints_from`, `plan.solve`). The hooks are a `stats.SiteCollector`'s; each keeps one
+plug straight into the planner (`plan.solve_peaks`). The hooks are a `stats.SiteCollector`'s; each keeps one
 scalar tensor (no host sync inside the forward); `collect()` turns them into floats.
 """
 
