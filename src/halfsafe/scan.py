@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -124,19 +125,50 @@ def layer_peaks(model: PreTrainedModel, sites: dict[str, SiteStats]) -> list[Lay
     return peaks
 
 
+@dataclass
+class Fp16Check:
+    """What a float16 copy of a model computed on a short prefix of the first two samples (`check_fp16`)."""
+
+    first_nonfinite: str | None  # the first module whose output is inf/NaN: the first sample's, else the second's
+    sites: dict[str, SiteStats] | None  # every site's statistics (check_fp16(..., stats=True)), else None
+    tokens: int
+
+    @property
+    def finite(self) -> bool:
+        """No module output inf/NaN, nor (where measured) any other site."""
+        return self.first_nonfinite is None and all(math.isfinite(s.abs_max) for s in (self.sites or {}).values())
+
+    def summary(self) -> dict:
+        """finite, the largest |x| and its site, tokens: what `halfsafe finetune` reports of its fp16 check."""
+        if not self.sites:
+            raise ValueError("no site was measured: run check_fp16(..., stats=True)")
+        top = max(self.sites.values(), key=lambda s: s.abs_max)
+        return {"finite": self.finite, "peak": top.abs_max, "peak_site": top.name, "tokens": self.tokens}
+
+
 @torch.no_grad()
-def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor], arith: str = "native") -> str | None:
-    """Run an fp16 copy of `model` on a short prefix of the samples (`arith`: halfsafe.engine.fp16_arith); the first module
-    whose output is inf/NaN, or None."""
-    with in_dtype(model, torch.float16, arith) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
+def check_fp16(model: PreTrainedModel, samples: list[torch.Tensor], arith: str = "native", stats: bool = False) -> Fp16Check:
+    """The fp16 check: a float16 copy of `model` (`in_dtype`: a streamed model too, reductions exact; `arith`:
+    halfsafe.engine.fp16_arith) on the first FP16_CHECK_TOKENS tokens of the first two samples. It names the first
+    module whose output is inf/NaN; `stats` measures every site as well (then both samples always run)."""
+    with in_dtype(model, torch.float16, arith) as half, ActivationCollector(half, stop_at_nonfinite=True) as first, \
+            (ActivationCollector(half) if stats else nullcontext()) as measured:
+        runs = [partial(_fp16_forward, half, ids) for ids in samples[:2]]
         if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
-            in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]])
+            in_step(half, runs)
         else:
-            for ids in samples[:2]:
-                _fp16_forward(half, ids)
-                if collector.first_nonfinite:
+            for run in runs:
+                run()
+                if first.first_nonfinite and not stats:
                     break
-    return collector.first_nonfinite
+    shown = [prefix(s, FP16_CHECK_TOKENS) for s in samples[:2]]
+    tokens = sum((s["input_ids"] if isinstance(s, dict) else s).numel() for s in shown)
+    return Fp16Check(first.first_nonfinite, measured.sites if stats else None, tokens)
+
+
+def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor], arith: str = "native") -> str | None:
+    """The first module whose output is inf/NaN in the fp16 check (`check_fp16`), or None."""
+    return check_fp16(model, samples, arith).first_nonfinite
 
 
 def _fp16_forward(half: PreTrainedModel, ids) -> None:

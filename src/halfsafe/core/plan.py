@@ -141,6 +141,20 @@ def solve(groups: list[Group], constraints: list[Constraint], headroom_bits: flo
     return exps
 
 
+def solve_peaks(groups: list[Group], peaks: dict[str, float], governed: dict[str, dict[str, float]],
+                params: dict[str, torch.Tensor], headroom_bits: float) -> dict[str, int]:
+    """The solver's exponents (the non-zero ones) for sampled peaks (site -> |x| max, each finite): the plan the
+    constraints of those peaks and of every moved weight give, as `convert` solves its reference plan. For peaks
+    measured without a scan's statistics (training's `PeakSampler`)."""
+    sites = {s: SiteStats(s, "", abs_max=p) for s, p in peaks.items()}
+    return {k: v for k, v in solve(groups, constraints_from(sites, governed, groups, params), headroom_bits).items() if v}
+
+
+def movable(governed: dict[str, dict[str, float]]) -> set[str]:
+    """The sites some group moves (what a plan can lower); the rest only a fine-tune reaches."""
+    return {s for moved in governed.values() for s, p in moved.items() if p}
+
+
 PLAN_FORMAT = 2  # 1: no version field (halfsafe 0.1.0); 2: versioned, every tensor with its shape
 
 

@@ -87,6 +87,20 @@ def rescaled(t: torch.Tensor, entries) -> torch.Tensor:
     return t
 
 
+@torch.no_grad()
+def unrescaled(t: torch.Tensor, entries, saved: torch.Tensor | None = None) -> torch.Tensor:
+    """`t` as it was before `rescaled(t, entries)`, in place: `mul` parts by the inverse power of two (exact); a
+    `(1+w)` gain, which does not invert exactly, from `saved`, its value from before."""
+    for kind, e, select in entries:
+        if kind == MUL:
+            scale_tensor_(t, MUL, -e, select)
+        elif saved is None:
+            raise ValueError("a (1+w) gain cannot be unscaled exactly: pass the value it had before (saved)")
+    if saved is not None:
+        t.copy_(saved)
+    return t
+
+
 def check_finite(model: PreTrainedModel, names) -> None:
     """After a rewrite: every rescaled weight still finite (a plan never overflows a weight; if it did, say so)."""
     params = dict(model.named_parameters())

@@ -5,13 +5,19 @@ the first input ("name:in", e.g. the gated product a down projection reads, or t
 Fused mixture-of-experts modules (transformers' `use_experts_implementation`: `gate_up_proj` [E, ...]
 and `_apply_gate`) run every expert inside one forward, so each expert's gated product, what its down
 projection reads, is recomputed from the module's input and recorded as "name:expert<e>".
+
+Every collector of activations builds on `SiteCollector`: it owns the hooks (one `sites.Hooks`, taken off however
+the block ends), names what it sees by `Site`, and hands each tensor to the collector's `record`. Collectors differ
+only in what they keep: `ActivationCollector` every statistic of every site (the scan), the training's peak sampler
+one scalar per watched site, verify's block peaks one float per block, the fine-tune's penalty a term that keeps
+the graph.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +128,58 @@ def first_tensor(value) -> torch.Tensor | None:
     return None
 
 
+@dataclass(eq=False)
+class SiteCollector:
+    """Forward hooks whose tensors go to `record(site, module, t)`: `t` is the first floating tensor (`first_tensor`)
+    of a leaf's input ("name:in") or of a module's output ("name:out"). `watch` hooks one chosen site, every call of
+    its module recorded under that one name; `ActivationCollector` hooks every module itself. `remove()`, or leaving
+    the `with` block, takes every hook off; removing twice is harmless."""
+
+    model: nn.Module
+    _handles: Hooks = field(default_factory=Hooks, init=False, repr=False)
+
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def watch(self, site: "str | Site", name: str | None = None) -> None:
+        """Hook `site` (an "in" or "out" site of a module the model has); `record` gets it as `name` (default: the
+        site itself). An expert's product is computed inside its fused module, where no hook sees it."""
+        where = Site.parse(site)
+        module = self.model.get_submodule(where.module)
+        name = str(where) if name is None else name
+        if where.kind == "in":
+            self._handles.add_pre(module, lambda mod, args: self._take(name, module, args))
+        elif where.kind == "out":
+            self._handles.add_post(module, lambda mod, args, out: self._take(name, module, out))
+        else:
+            raise ValueError(f"{where}: no hook sees an expert's product inside its fused module; watch "
+                             f"'{where.module}:out' or measure it with ActivationCollector")
+
+    def watch_all(self, sites: "Iterable[str | Site]") -> None:
+        try:
+            for site in sites:
+                self.watch(site)
+        except BaseException:
+            self.remove()
+            raise
+
+    def _take(self, site: str, module: nn.Module, value) -> None:
+        t = first_tensor(value)
+        if t is not None:
+            self.record(site, module, t)
+
+    def remove(self) -> None:
+        self._handles.remove()
+
+    def __enter__(self) -> "SiteCollector":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
 @dataclass
-class ActivationCollector:
+class ActivationCollector(SiteCollector):
     """`with ActivationCollector(model) as c: model(...)` fills `c.sites` in execution order.
 
     `stop_at_nonfinite=True` records only the first module whose output is non-finite
@@ -134,12 +190,10 @@ class ActivationCollector:
     first non-finite site, and `sites` ends in the order one forward after another gives.
     """
 
-    model: nn.Module
     stop_at_nonfinite: bool = False
     columns: bool = False  # each site's `column_max` too
     sites: dict[str, SiteStats] = field(default_factory=dict)
     first_nonfinite: str | None = None
-    _handles: Hooks = field(default_factory=Hooks)
     # per forward (engine.pipeline.lane(): None outside a pass), one [name, calls inside it, its own call] frame per
     # module now running, outermost first
     _stacks: dict = field(default_factory=dict)
@@ -160,23 +214,20 @@ class ActivationCollector:
                 self._handles.add_pre(module, self._pre_hook(name, module, measured and is_leaf))
                 self._handles.add_post(module, self._hook(name, module, measured), with_kwargs=True, always_call=True)
         except BaseException:
-            self._handles.remove()
+            self.remove()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._handles.remove()
+        self.remove()
         self._stacks.clear()
         if len(self._order) > 1:  # forwards in step: each one's sites in turn, as when they run one after another
             order = dict.fromkeys(s for k in sorted(self._order, key=_lane_order) for s in self._order[k])
             self.sites = {s: self.sites[s] for s in order}
 
-    def _record(self, site: str, module: nn.Module, value) -> None:
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
         from ..engine.pipeline import lane
 
-        t = first_tensor(value)
-        if t is None:
-            return
         if self.stop_at_nonfinite:
             if lane() not in self._nonfinite and Site.parse(site).kind == "out" and not torch.isfinite(t).all():
                 self._nonfinite[lane()] = site
@@ -203,7 +254,7 @@ class ActivationCollector:
         def hook(mod, args):
             call = self._enter_call(name)
             if measure_input:
-                self._record(str(site.at_call(call)), module, args)
+                self._take(str(site.at_call(call)), module, args)
 
         return hook
 
@@ -216,11 +267,11 @@ class ActivationCollector:
             call = self._running.pop()[2]
             if not measured or output is None:
                 return
-            self._record(str(site.at_call(call)), module, output)
+            self._take(str(site.at_call(call)), module, output)
             if experts and not self.stop_at_nonfinite:
                 for e, parts in expert_products(mod, args, kwargs):
                     for part, t in parts.items():
-                        self._record(str(Site.of_expert(name, e, part).at_call(call)), module, t)
+                        self._take(str(Site.of_expert(name, e, part).at_call(call)), module, t)
 
         return hook
 

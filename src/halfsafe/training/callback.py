@@ -35,10 +35,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..core.plan import constraints_from, solve
+from ..core.plan import movable, solve_peaks
 from ..core.shrink import probe_governed
 from ..core.sites import Site
-from ..core.stats import SiteStats
 from ..errors import HalfsafeError
 from .coordinates import TrainingRescaler
 from .headroom import WATCH_ALL, PeakSampler, headroom_bits, plain_fp32_forward
@@ -186,12 +185,12 @@ class HeadroomCallback(TrainerCallback, ExportableState):
             log.warning("halfsafe: no rescaling during training: %s", e)
             self.rescale_below_bits = None
             return
-        sites = {s: SiteStats(s, "", abs_max=p) for s, p in peaks.items() if math.isfinite(p) and p > 0}
-        params = dict(self._model.named_parameters())
-        exps = {k: v for k, v in solve(r.groups, constraints_from(sites, governed, r.groups, params), self.rescale_to_bits).items() if v}
-        movable = {s for moved in governed.values() for s, p in moved.items() if p}
+        # an overflowed peak (inf under fp16 autocast) gives no number to plan from: only the warning above
+        finite = {s: p for s, p in peaks.items() if math.isfinite(p) and p > 0}
+        exps = solve_peaks(r.groups, finite, governed, dict(self._model.named_parameters()), self.rescale_to_bits)
+        moved = movable(governed)
         low = [s for s, b in bits.items() if b < self.rescale_below_bits]
-        stuck = [s for s in low if s not in movable]
+        stuck = [s for s in low if s not in moved]
         if stuck:
             log.warning("halfsafe: no exact rescale moves %s (%.2f bits); `halfsafe finetune` lowers such peaks",
                         stuck[0], bits[stuck[0]])

@@ -23,6 +23,7 @@ them is applied where the two meet:
   bit for bit what it would have computed without the rescale, for any optimizer.
   A `(1+w)` gain is not exactly invertible in floating point, so its reference value is kept
   (a small "shadow" copy: gains are vectors) and the model's value is recomputed from it.
+  Both ways go through `core.rewrite` (`rescaled` / `unrescaled`), as every other rewrite of weights does.
 
 The cost: two in-place multiplications per rescaled tensor per optimizer step, and the optimizer
 state on disk is in reference coordinates: resuming needs the same map (`state_dict`).
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from ..core.groups import Group, expand
-from ..core.rewrite import apply_exponents_, move_eps_, scale_tensor_, select_key, tensor_exponents
+from ..core.rewrite import apply_exponents_, move_eps_, rescaled, select_key, tensor_exponents, unrescaled
 from ..families import GAIN1P, MUL, Family, family_for
 
 
@@ -135,11 +136,9 @@ class TrainingRescaler:
                 (_, e, _), = gain
                 if name not in self._shadows and shadows_from_model:
                     # w_ref = (1 + w') / S - 1: exact whenever w' was computed from w_ref by S (no rounding)
-                    self._shadows[name] = p.detach().clone()
-                    scale_tensor_(self._shadows[name], GAIN1P, -e)
+                    self._shadows[name] = rescaled(p.detach().clone(), [(GAIN1P, -e, None)])
                 # one rounding from the reference value, however many rescales came before
-                p.data.copy_(self._shadows[name])
-                scale_tensor_(p.data, GAIN1P, e)
+                rescaled(p.data.copy_(self._shadows[name]), gain)
             if _key(self._maps.get(name)) != _key(entries):
                 old = self._grad_hooks.pop(name, None)
                 if old is not None:
@@ -156,21 +155,15 @@ class TrainingRescaler:
     @torch.no_grad()
     def _to_reference(self) -> None:
         for name, entries in self._maps.items():
-            p = self._params[name]
-            for kind, e, select in entries:
-                if kind == MUL:
-                    scale_tensor_(p.data, MUL, -e, select)
-            if name in self._shadows:
-                p.data.copy_(self._shadows[name])
+            unrescaled(self._params[name].data, entries, self._shadows.get(name))
 
     @torch.no_grad()
     def _to_model(self) -> None:
         for name, entries in self._maps.items():
             p = self._params[name]
             if name in self._shadows:
-                self._shadows[name].copy_(p.data)
-            for kind, e, select in entries:
-                scale_tensor_(p.data, kind, e, select)
+                self._shadows[name].copy_(p.data)  # the step's result, in reference coordinates
+            rescaled(p.data, entries)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -191,10 +184,8 @@ def _key(entries) -> list | None:
 
 def _grad_to_reference(entries):
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        for _, e, select in entries:  # d p'/d p = S for both kinds: g_ref = S g'
-            scale_tensor_(grad, MUL, e, select)
-        return grad
+        # d p'/d p = S for both kinds: g_ref = S g'
+        return rescaled(grad.clone(), [(MUL, e, select) for _, e, select in entries])
 
     return hook
 

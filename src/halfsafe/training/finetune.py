@@ -48,11 +48,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from ..core.formats import FP16_MAX
-from ..core.sites import Hooks, Site, block_of, find_blocks, within
-from ..core.stats import first_tensor
+from ..core.sites import Site, block_of, find_blocks, within
+from ..core.stats import SiteCollector
 from ..engine.forward import model_inputs
 from ..errors import HalfsafeError
-from ..scan import collect
+from ..scan import check_fp16, collect
 
 STATE_VERSION = 1
 STATE_NAME = "finetune_state.pt"
@@ -123,27 +123,22 @@ class FinetuneReport:
 
 
 # -- hooks --------------------------------------------------------------------------------------
-class _Penalty:
-    """Differentiable hinge at the watched sites, and their peaks, for one forward pass."""
+class _Penalty(SiteCollector):
+    """Differentiable hinge at the watched sites, and their peaks, for one forward pass: the tensors keep their
+    graph (nothing here detaches what the loss uses)."""
 
     def __init__(self, model: nn.Module, sites: list[str], hinge: float):
+        super().__init__(model)
         self.hinge = hinge
         self.total: torch.Tensor | None = None
         self.peaks: dict[str, float] = {}
-        self._handles = Hooks()
-        modules = dict(model.named_modules())
         for site in sites:
             where = Site.parse(site)
-            m = modules[where.module]
-            if where.kind == "in":
-                self._handles.add_pre(m, lambda mod, args, s=site: self._add(s, args))
-            else:
-                self._handles.add_post(m, lambda mod, args, out, s=site: self._add(s, out))
+            # no hook sees an expert's product (inside its fused module): its module's output stands for it, every
+            # call of a module is penalised under the one site
+            self.watch(Site(where.module, "in" if where.kind == "in" else "out"), name=site)
 
-    def _add(self, site: str, value) -> None:
-        t = first_tensor(value)
-        if t is None:
-            return
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
         a = t.abs().float()
         self.peaks[site] = max(self.peaks.get(site, 0.0), float(a.detach().max()))
         if not t.requires_grad:
@@ -153,9 +148,6 @@ class _Penalty:
 
     def reset(self) -> None:
         self.total, self.peaks = None, {}
-
-    def remove(self) -> None:
-        self._handles.remove()
 
 
 def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -476,21 +468,13 @@ def finetune_checkpoint(
     return report, conversion, fp16
 
 
-FP16_CHECK_TOKENS = 128
-
-
 @torch.no_grad()
 def fp16_check(model: nn.Module, samples: list[torch.Tensor]) -> dict:
-    """An fp16 copy on a short prefix of the first samples: finite, and the largest |x| it computes."""
-    from ..engine.precision import cast_copy
+    """The fp16 check `scan --fp16-check` runs (`scan.check_fp16`, in the arithmetic convert's trials use), every site
+    measured: finite, the largest |x| and its site, and the tokens it ran."""
+    from ..engine.fp16_arith import resolve
 
-    half = cast_copy(model, torch.float16).eval()
-    ids = [s[:, :FP16_CHECK_TOKENS] for s in samples[:2]]
-    sites = collect(half, ids, progress=False)
-    del half
-    top = max(sites.values(), key=lambda s: s.abs_max)
-    return {"finite": all(math.isfinite(s.abs_max) for s in sites.values()), "peak": top.abs_max, "peak_site": top.name,
-            "tokens": sum(i.numel() for i in ids)}
+    return check_fp16(model, samples, resolve(None, model)["used"], stats=True).summary()
 
 
 def _append_card(path: Path, report: FinetuneReport, fp16: dict) -> None:

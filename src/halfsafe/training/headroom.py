@@ -1,8 +1,8 @@
 """Cheap peak sampling during training: |x| max at chosen sites on one forward pass, then the hooks go.
 
 Sites are named as `stats.ActivationCollector` names them ("module:out", "leaf:in"), so sampled peaks
-plug straight into the planner (`plan.constraints_from` / `plan.solve`). Each hook keeps one scalar
-tensor (no host sync inside the forward); `collect()` turns them into floats.
+plug straight into the planner (`plan.solve_peaks`). The hooks are a `stats.SiteCollector`'s; each keeps one
+scalar tensor (no host sync inside the forward); `collect()` turns them into floats.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..core.sites import Hooks, Site, block_of, find_blocks, headroom_bits
-from ..core.stats import first_tensor
+from ..core.sites import Site, block_of, find_blocks, headroom_bits
+from ..core.stats import SiteCollector
 
 WATCH_ALL = "all"  # block outputs plus every leaf module's input and output
 WATCH_BLOCKS = "blocks"  # block outputs only (the residual stream)
@@ -23,7 +23,7 @@ WATCH_BLOCKS = "blocks"  # block outputs only (the residual stream)
 __all__ = ["WATCH_ALL", "WATCH_BLOCKS", "PeakSampler", "headroom_bits", "plain_fp32_forward"]
 
 
-class PeakSampler:
+class PeakSampler(SiteCollector):
     """`arm()` before a forward pass; the hooks record that one pass and remove themselves.
 
     watch: "all", "blocks", or a list of regular expressions over site names (block outputs are
@@ -31,13 +31,12 @@ class PeakSampler:
     """
 
     def __init__(self, model: nn.Module, watch: str | list[str] = WATCH_ALL):
-        self.model = model
+        super().__init__(model)
         self.blocks = find_blocks(model)
         self.sites = self._choose(watch)
         self.peaks: dict[str, torch.Tensor] = {}
         self.input_ids: torch.Tensor | None = None  # a short slice of the sampled batch (for probing)
         self._index = {b: i for i, b in enumerate(self.blocks)}
-        self._handles = Hooks()
 
     def _choose(self, watch) -> list[Site]:
         blocks = set(self.blocks)
@@ -67,38 +66,19 @@ class PeakSampler:
         if self.armed:
             return
         self.peaks = {}
-        modules = dict(self.model.named_modules())
-        for site in self.sites:
-            m = modules[site.module]
-            if site.kind == "in":
-                self._handles.add_pre(m, self._pre(str(site)))
-            else:
-                self._handles.add_post(m, self._post(str(site)))
+        self.watch_all(self.sites)
         self._handles.add_pre(self.model, self._capture_ids, with_kwargs=True)
         self._handles.add_post(self.model, lambda *_: self.disarm(), always_call=True)
 
     def disarm(self) -> None:
-        self._handles.remove()
+        self.remove()
 
-    def _record(self, site: str, value) -> None:
-        t = first_tensor(value)
-        if t is None or t.numel() == 0:
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        if t.numel() == 0:
             return
-        peak = t.detach().abs().amax().float()
+        peak = t.detach().abs().amax().float()  # a tensor: no host sync inside the forward
         old = self.peaks.get(site)
         self.peaks[site] = peak if old is None else torch.maximum(old, peak)
-
-    def _pre(self, site: str):
-        def hook(module, args):
-            self._record(site, args)
-
-        return hook
-
-    def _post(self, site: str):
-        def hook(module, args, output):
-            self._record(site, output)
-
-        return hook
 
     def _capture_ids(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)

@@ -7,29 +7,33 @@ import math
 import torch
 from torch import nn
 
-from ..core.sites import Hooks
+from ..core.sites import Hooks, Site
+from ..core.stats import SiteCollector
 
 
-class BlockPeaks:
+class BlockPeaks(SiteCollector):
     """Forward hooks: |x| max of each block's output (the residual stream after that block), inf once any is
-    non-finite, over every forward pass until `remove()`."""
+    non-finite, over every forward pass until `remove()`. Blocks the model lacks are skipped (their peak stays 0)."""
 
     def __init__(self, model: nn.Module, blocks: list[str]) -> None:
+        super().__init__(model)
         modules = dict(model.named_modules())
         self.peaks = [0.0] * len(blocks)
-        self.handles = Hooks()
+        self._slots: dict[str, list[int]] = {}  # site -> its places in `peaks`
         for i, b in enumerate(blocks):
             if b in modules:
-                self.handles.add_post(modules[b], self._hook(i))
+                site = str(Site(b, "out"))
+                if site not in self._slots:
+                    self.watch(site)
+                self._slots.setdefault(site, []).append(i)
 
-    def _hook(self, i: int):
-        def hook(module, args, out):
-            x = out[0] if isinstance(out, (tuple, list)) else out
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-                v = float(x.detach().abs().max())
-                self.peaks[i] = math.inf if not math.isfinite(v) else max(self.peaks[i], v)
+    @property
+    def handles(self) -> Hooks:
+        return self._handles
 
-        return hook
-
-    def remove(self) -> None:
-        self.handles.remove()
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        if not t.numel():
+            return
+        v = float(t.detach().abs().max())
+        for i in self._slots[site]:
+            self.peaks[i] = math.inf if not math.isfinite(v) else max(self.peaks[i], v)
