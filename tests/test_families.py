@@ -31,8 +31,9 @@ def test_every_supported_model_type_has_a_tiny_model():
 
 
 def _fixed_norm_eps(key: str) -> float:
-    """The norm eps a family's modeling code hard-codes (no config field, so no checkpoint can scale it)."""
-    return family_for(TINY[key]().model_type).extra.get("fixed_norm_eps", 0.0)
+    """The norm eps a family's modeling code hard-codes (no config field, so no checkpoint can scale it): its eps
+    scope names no field (attrs), only the value the code fixes."""
+    return next((scope.fixed_value for scope in family_for(TINY[key]().model_type).eps if not scope.attrs), 0.0)
 
 
 FIXED_EPS = ("its norm eps is fixed in the modeling code, so a rescale that moves a norm's input is exact only up "

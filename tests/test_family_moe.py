@@ -182,13 +182,13 @@ def test_per_expert_groups_are_validated():
 def test_a_rescaled_model_saved_and_loaded_computes_the_same(key, tmp_path):
     """What moved must survive save_pretrained/from_pretrained: the fused expert tensors and the eps in the
     config. DeepSeek's MLA norms take eps 1e-6 from the code, not the config, so a moved MLA eps would be
-    lost on loading: it must not move (fixed_eps_modules), even where it equals `rms_norm_eps`."""
+    lost on loading: it must not move (`fixed` in the family's EpsScope), even where it equals `rms_norm_eps`."""
     model = make_tiny(key)
     ids = tiny_ids(model, length=16)
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     apply_exponents_(model, family, groups, random_exponents(groups, 2) | {"residual": -5})
-    fixed = [m for n, m in model.named_modules() if n.endswith(family.fixed_eps_modules or ("-",))]
+    fixed = [m for n, m in model.named_modules() if n.endswith(family.eps[0].fixed or ("-",))]
     assert all(m.variance_epsilon == 1e-6 for m in fixed) and (bool(fixed) == key.startswith("deepseek"))
     model.save_pretrained(tmp_path)
     loaded = model_class_for(model.config).from_pretrained(tmp_path, dtype=torch.float32).eval()

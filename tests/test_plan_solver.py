@@ -153,7 +153,7 @@ def test_build_lists_every_moved_tensor_part_with_its_total_exponent_and_the_eps
         Group("g1", "g1", None, (TensorMove("w.q", 1, MUL, part), TensorMove("w.k", -1, MUL)), eps_power=2),
         Group("g2", "g2", None, (TensorMove("w.z", 1, MUL),), eps_power=2),
         Group("g3", "g3", None, (TensorMove("w.q", 1, MUL, part), TensorMove("n.w", 1, GAIN1P)), eps_power=1,
-              eps_scope=("vision_config.layer_norm_eps", ("v",))),
+              eps_field="vision_config.layer_norm_eps"),
     ]
     shapes = {"w.q": (4, 2), "w.k": (3,), "w.z": (5,), "n.w": (2,)}
     plan = Plan.build("fam", "mt", groups, {"g1": -2, "g2": 0, "g3": 1}, 1.5, 1024, shapes)

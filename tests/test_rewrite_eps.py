@@ -1,6 +1,6 @@
 """Which norm eps a plan moves in the multimodal families, field by field and module by module: a group's own eps
-(Gemma 3's tower, eps_field), a family's eps in the sub-configs it names (Gemma 4, eps_scope), and a family's eps
-everywhere but a tower (Qwen2-VL, T5Gemma 2, eps_skip_modules), with and without the head. Every eps in these tiny
+(Gemma 3's tower, GroupSpec.eps), a family's eps in the sub-configs it names (Gemma 4, EpsScope.configs), and a
+family's eps everywhere but a tower (Qwen2-VL, T5Gemma 2, EpsScope.keep), with and without the head. Every eps in these tiny
 models is 1e-6, so a move that leaks into a tower (or skips a norm) shows. Only eps values are read: the models are
 built from their configs, never run."""
 
@@ -12,9 +12,10 @@ import transformers
 from tiny import TINY
 from transformers import PretrainedConfig
 
-from halfsafe.core.groups import Group, TensorMove, expand
+from halfsafe.core.groups import Group, TensorMove, expand, resolve_eps
 from halfsafe.core.rewrite import move_eps_, scale_eps_, scoped_eps_exponents, tensor_exponents
 from halfsafe.families import MUL, Family, family_for
+from halfsafe.families.spec import EpsScope
 from halfsafe.io.loading import model_class_for
 
 EPS = 1e-6
@@ -32,6 +33,10 @@ def _eps(model) -> dict[str, float]:
             if isinstance(getattr(m, a, None), float)}
 
 
+def _scale_family_eps(model, family, exponent: int) -> None:
+    scale_eps_(model, family, resolve_eps(family, model), exponent)
+
+
 def _moved(model, act) -> dict[str, float]:
     before = _eps(model)
     assert set(before.values()) == {EPS}
@@ -41,7 +46,7 @@ def _moved(model, act) -> dict[str, float]:
     return {k: v for k, v in after.items() if v != before[k]}
 
 
-# --- a group's own eps (GroupSpec.eps_field): Gemma 3's SigLIP tower and its language model ---
+# --- a group's own eps (GroupSpec.eps): Gemma 3's SigLIP tower and its language model ---
 
 GEMMA3_TOWER = {f"model.vision_tower.encoder.layers.{i}.layer_norm{j}.eps" for i in (0, 1) for j in (1, 2)} | {
     "model.vision_tower.post_layernorm.eps", "model.multi_modal_projector.mm_soft_emb_norm.eps"}
@@ -79,7 +84,8 @@ def test_a_group_eps_moves_the_copies_of_its_config_that_hold_the_same_value():
     tower.encoder.config = copy.deepcopy(vision)
     tower.encoder.config.layer_norm_eps = 3e-6  # a copy with another value: not this eps, stays
     tower.embeddings.config = PretrainedConfig()  # a config without that field: ignored
-    moved = _moved(model, lambda: scale_eps_(model, family, -2, ("vision_config.layer_norm_eps", ("model.vision_tower",))))
+    holders = resolve_eps(family, model, (EpsScope(("layer_norm_eps",), ("vision_config",), ("model.vision_tower",)),))
+    moved = _moved(model, lambda: scale_eps_(model, family, holders, -2))
     assert moved == {k: EPS / 4 for k in GEMMA3_TOWER if k.startswith("model.vision_tower.")}
     assert vision.layer_norm_eps == EPS / 4 and tower.config.layer_norm_eps == EPS / 4
     assert tower.encoder.config.layer_norm_eps == 3e-6
@@ -87,7 +93,7 @@ def test_a_group_eps_moves_the_copies_of_its_config_that_hold_the_same_value():
     assert model.config.text_config.rms_norm_eps == EPS
 
 
-# --- a family's eps in the sub-configs it names (Family.eps_scope): Gemma 4 ---
+# --- a family's eps in the sub-configs it names (EpsScope.configs, with `when` for the tower): Gemma 4 ---
 
 GEMMA4_TEXT = {f"model.language_model.layers.{i}.{n}.eps" for i in (0, 1) for n in (
     "self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm", "input_layernorm", "post_attention_layernorm",
@@ -114,7 +120,7 @@ def test_gemma4_moves_the_text_and_vision_eps_and_leaves_the_audio_towers():
 
 def test_gemma4_bare_model_names_its_modules_without_the_prefix():
     model = _build("gemma4", transformers.Gemma4Model)
-    moved = _moved(model, lambda: scale_eps_(model, family_for("gemma4"), 1))
+    moved = _moved(model, lambda: _scale_family_eps(model, family_for("gemma4"), 1))
     assert moved == {k.removeprefix("model."): EPS * 2 for k in GEMMA4_TEXT | GEMMA4_VISION}
     assert model.config.text_config.rms_norm_eps == EPS * 2 and model.config.audio_config.rms_norm_eps == EPS
 
@@ -122,16 +128,16 @@ def test_gemma4_bare_model_names_its_modules_without_the_prefix():
 def test_a_scope_on_the_top_config_moves_its_field_and_the_named_modules_norms():
     model = _build("llama")
     old = model.config.rms_norm_eps
-    family = Family("scoped", ("scoped",), (), eps_attrs=("rms_norm_eps",), eps_scope=lambda m: {"": ("model.layers.0",)})
+    family = Family("scoped", ("scoped",), (), eps=(EpsScope(("rms_norm_eps",), ("",), ("model.layers.0",)),))
     before = _eps(model)
-    scale_eps_(model, family, 1)
+    _scale_family_eps(model, family, 1)
     after = _eps(model)
     assert {k: v for k, v in after.items() if v != before[k]} == {
         "model.layers.0.input_layernorm.variance_epsilon": old * 2, "model.layers.0.post_attention_layernorm.variance_epsilon": old * 2}
     assert model.config.rms_norm_eps == old * 2
 
 
-# --- a family's eps everywhere but a tower (Family.eps_skip_modules): Qwen2-VL, T5Gemma 2 ---
+# --- a family's eps everywhere but a tower (EpsScope.keep): Qwen2-VL, T5Gemma 2 ---
 
 QWEN2_VL_TEXT = {f"model.language_model.layers.{i}.{n}.variance_epsilon" for i in (0, 1)
                  for n in ("input_layernorm", "post_attention_layernorm")} | {"model.language_model.norm.variance_epsilon"}
@@ -139,7 +145,7 @@ QWEN2_VL_TEXT = {f"model.language_model.layers.{i}.{n}.variance_epsilon" for i i
 
 def test_qwen2_vl_moves_the_language_models_eps_and_not_the_towers_equal_one():
     model = _build("qwen2_vl")
-    moved = _moved(model, lambda: scale_eps_(model, family_for("qwen2_vl"), 1))
+    moved = _moved(model, lambda: _scale_family_eps(model, family_for("qwen2_vl"), 1))
     assert moved == {k: EPS * 2 for k in QWEN2_VL_TEXT}
     assert model.config.text_config.rms_norm_eps == EPS * 2
     assert sum(k.startswith("model.visual.") for k in _eps(model)) == 5  # all still 1e-6
@@ -147,7 +153,7 @@ def test_qwen2_vl_moves_the_language_models_eps_and_not_the_towers_equal_one():
 
 def test_qwen2_vl_bare_model_skips_its_tower_too():
     model = _build("qwen2_vl", transformers.Qwen2VLModel)
-    moved = _moved(model, lambda: scale_eps_(model, family_for("qwen2_vl"), -1))
+    moved = _moved(model, lambda: _scale_family_eps(model, family_for("qwen2_vl"), -1))
     assert moved == {k.removeprefix("model."): EPS / 2 for k in QWEN2_VL_TEXT}
     assert model.config.text_config.rms_norm_eps == EPS / 2
 
@@ -158,7 +164,7 @@ T5GEMMA2_LAYER = ("self_attn.q_norm", "self_attn.k_norm", "pre_self_attn_layerno
 
 def test_t5gemma2_moves_encoder_text_and_decoder_eps_and_neither_the_tower_nor_the_projector():
     model = _build("t5gemma2")
-    moved = _moved(model, lambda: scale_eps_(model, family_for("t5gemma2"), 2))
+    moved = _moved(model, lambda: _scale_family_eps(model, family_for("t5gemma2"), 2))
     expected = {f"model.{stack}.layers.{i}.{n}.eps" for stack in ("encoder.text_model", "decoder") for i in (0, 1)
                 for n in T5GEMMA2_LAYER} | {"model.encoder.text_model.norm.eps", "model.decoder.norm.eps"}
     assert moved == {k: EPS * 4 for k in expected}
@@ -169,7 +175,7 @@ def test_t5gemma2_moves_encoder_text_and_decoder_eps_and_neither_the_tower_nor_t
 
 def test_deepseek_moves_every_norms_eps_but_the_mla_norms_it_hard_codes():
     model = _build("deepseek_v3")
-    moved = _moved(model, lambda: scale_eps_(model, family_for("deepseek_v3"), 1))
+    moved = _moved(model, lambda: _scale_family_eps(model, family_for("deepseek_v3"), 1))
     assert moved == {f"model.layers.{i}.{n}.variance_epsilon": EPS * 2 for i in (0, 1)
                      for n in ("input_layernorm", "post_attention_layernorm")} | {"model.norm.variance_epsilon": EPS * 2}
     assert model.config.rms_norm_eps == EPS * 2
@@ -178,13 +184,13 @@ def test_deepseek_moves_every_norms_eps_but_the_mla_norms_it_hard_codes():
 def test_an_eps_field_a_config_lacks_is_skipped_and_the_next_one_moves():
     model = _build("llama")
     old = model.config.rms_norm_eps
-    family = Family("two", ("two",), (), eps_attrs=("layer_norm_eps", "rms_norm_eps"))
+    family = Family("two", ("two",), (), eps=(EpsScope(("layer_norm_eps", "rms_norm_eps")),))
     before = _eps(model)
-    scale_eps_(model, family, -1)
+    _scale_family_eps(model, family, -1)
     assert {k: v for k, v in _eps(model).items() if v != before[k]} == {k: old / 2 for k in before}
     assert model.config.rms_norm_eps == old / 2 and not hasattr(model.config, "layer_norm_eps")
-    scoped = Family("two", ("two",), (), eps_attrs=("layer_norm_eps", "rms_norm_eps"), eps_scope=lambda m: {"": ("model",)})
-    scale_eps_(model, scoped, 1)
+    scoped = Family("two", ("two",), (), eps=(EpsScope(("layer_norm_eps", "rms_norm_eps"), ("",), ("model",)),))
+    _scale_family_eps(model, scoped, 1)
     assert model.config.rms_norm_eps == old and _eps(model) == before
 
 
@@ -199,9 +205,9 @@ def test_tensor_exponents_multiply_by_the_power_and_keep_parts_apart():
 
 
 def test_scoped_eps_exponents_add_up_the_groups_sharing_a_scope():
-    scope = ("vision_config.layer_norm_eps", ("v",))
-    other = ("audio_config.eps", ("a",))
-    groups = [Group("a", "a", None, (), eps_power=2, eps_scope=scope), Group("b", "b", None, (), eps_power=1, eps_scope=scope),
-              Group("c", "c", None, (), eps_power=1, eps_scope=other), Group("d", "d", None, (), eps_power=2)]
+    scope = "vision_config.layer_norm_eps"
+    other = "audio_config.eps"
+    groups = [Group("a", "a", None, (), eps_power=2, eps_field=scope), Group("b", "b", None, (), eps_power=1, eps_field=scope),
+              Group("c", "c", None, (), eps_power=1, eps_field=other), Group("d", "d", None, (), eps_power=2)]
     assert scoped_eps_exponents(groups, {"a": -1, "b": 3, "c": 2, "d": 5}) == {scope: 1, other: 2}
     assert scoped_eps_exponents(groups, {"a": -1, "b": 2}) == {}  # -2 + 2: no move

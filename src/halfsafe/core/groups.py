@@ -38,6 +38,27 @@ class TensorMove:
 
 
 @dataclass(frozen=True)
+class EpsHolders:
+    """One norm eps in one model, as rewrite moves it: an `EpsScope` resolved by `resolve_eps`, its config paths
+    and module names as this model names them.
+
+    configs: dotted paths from the model's config to the configs holding the eps ("" the model's config itself).
+    attrs: the eps fields there that move (a config lacking one is skipped).
+    modules: module-name prefixes whose norms (and the configs their sub-models keep) read it; () every module.
+    keep: prefixes inside those whose norms keep an eps of their own.
+    fixed: module-name suffixes of norms whose eps the modeling code fixes: never moves.
+    copies_only: a config a covered sub-model keeps moves only where it holds the value of `configs` (a copy);
+        False: every such config that holds the field (the model's eps, held by its stacks or halves)."""
+
+    configs: tuple[str, ...]
+    attrs: tuple[str, ...]
+    modules: tuple[str, ...] = ()
+    keep: tuple[str, ...] = ()
+    fixed: tuple[str, ...] = ()
+    copies_only: bool = True
+
+
+@dataclass(frozen=True)
 class Group:
     name: str  # "residual" or "vo@model.layers.3"
     spec: str
@@ -47,8 +68,10 @@ class Group:
     # Every block a per-block group moves parameters in: its own and, with `{i+1}` templates, the next
     # one. Empty means just `block` (probe attributes measured activations to groups by these blocks).
     span: tuple[str, ...] = ()
-    # The eps this group moves, when not the family's shared one: (config field path, module name prefixes).
-    eps_scope: tuple[str, tuple[str, ...]] | None = None
+    # Where the eps that eps_power moves lives in this model (resolve_eps): the family's, or, with `eps_field`
+    # ("vision_config.layer_norm_eps", as the plan records it), the group's own.
+    eps: tuple[EpsHolders, ...] = ()
+    eps_field: str = ""
     expert: int | None = None  # a per_expert group's expert (its activations: stats sites "...:expert<e>")
 
     @property
@@ -184,13 +207,21 @@ def expand(family: Family, model: PreTrainedModel) -> list[Group]:
                 groups.append(Group(f"{spec.name}@{block}", spec.name, block, tm, span=span))
         else:
             tm = tuple(TensorMove(name, m.power, m.kind, _resolve_select(m, model)) for m in moves for _, name in sorted(matched[m].items(), key=lambda kv: int(kv[0] or -1)))
-            scope = (spec.eps_field, tuple(_strip_base_prefix(model, m) for m in spec.eps_modules)) if spec.eps_field else None
-            groups.append(Group(spec.name, spec.name, None, tm, spec.eps_power, eps_scope=scope))
+            eps, field = _group_eps(family, model, spec)
+            groups.append(Group(spec.name, spec.name, None, tm, spec.eps_power, eps=eps, eps_field=field))
     _check_kinds(family, groups)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     for g in groups:
         _check_disjoint_parts(family, g, shapes)
     return groups
+
+
+def _group_eps(family: Family, model: PreTrainedModel, spec: GroupSpec) -> tuple[tuple[EpsHolders, ...], str]:
+    """Where a whole-model group's eps_power moves a norm eps in `model`, and the config field the plan records it
+    by: the group's own ("vision_config.layer_norm_eps"), or "" for the family's."""
+    if spec.eps is not None:
+        return resolve_eps(family, model, (spec.eps,)), f"{spec.eps.configs[0]}.{spec.eps.attrs[0]}"
+    return (resolve_eps(family, model) if spec.eps_power else ()), ""
 
 
 def _block_prefix(template: str, model: PreTrainedModel, i: str) -> str:
@@ -269,24 +300,34 @@ def _check_kinds(family: Family, groups: list[Group]) -> None:
                 raise ValueError(f"family {family.name}: {m.param} is moved both as {kinds[m.param]} and {m.kind}")
 
 
-def eps_scopes(family: Family, model: PreTrainedModel, scope: tuple[str, tuple[str, ...]] | None = None) -> tuple[EpsScope, ...]:
-    """What a group's eps_power moves, as `EpsScope` records with module names as `model` names them: the family's
-    eps (`scope` None: everywhere, but under `eps_skip_modules`; or in the sub-configs and modules `eps_scope`
-    names) or one group's own (`Group.eps_scope`: a config field path and module prefixes, from GroupSpec.eps_field)."""
-    if scope is not None:
-        field, prefixes = scope
-        path, _, attr = field.rpartition(".")
-        if getattr(config_at(model.config, path), attr, None) is None:
-            raise UnsupportedModelError(f"family {family.name}: this {type(model).__name__}'s config has no {field} for a "
-                                        f"group to move (families/{family.name}.py)")
-        return (EpsScope((path,), (attr,), tuple(prefixes)),)
-    fixed = family.fixed_eps_modules
-    if family.eps_scope is not None:
-        return tuple(EpsScope((sub,), family.eps_attrs, tuple(_strip_base_prefix(model, p + ".")[:-1] for p in prefixes), fixed=fixed)
-                     for sub, prefixes in family.eps_scope(model).items())
-    text = _config_path(model.config, model.config.get_text_config())
-    return (EpsScope(tuple(dict.fromkeys(("", text))), family.eps_attrs,
-                     keep=tuple(_strip_base_prefix(model, p) for p in family.eps_skip_modules), fixed=fixed, copies_only=False),)
+def resolve_eps(family: Family, model: PreTrainedModel, scopes: tuple[EpsScope, ...] | None = None) -> tuple[EpsHolders, ...]:
+    """Where the eps of `scopes` (None: the family's, `Family.eps`) lives in `model`: the scopes that apply to it (with
+    a config field to move) as `EpsHolders`, module names as `model` names them. A config a scope names must exist
+    and hold one of its fields, or this fails in one line."""
+    return tuple(_holders(family, model, s) for s in (family.eps if scopes is None else scopes)
+                 if s.attrs and (s.when is None or s.when(model)))
+
+
+def _module_names(model: PreTrainedModel, prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """Module-name prefixes as `model` names them (in a bare base model, the base model's own name is "")."""
+    return tuple(_strip_base_prefix(model, p + ".")[:-1] for p in prefixes)
+
+
+def _holders(family: Family, model: PreTrainedModel, scope: EpsScope) -> EpsHolders:
+    modules, keep = _module_names(model, scope.modules), _module_names(model, scope.keep)
+    if not scope.configs:  # the whole model: its config, its text config and the stacks' copies
+        text = _config_path(model.config, model.config.get_text_config())
+        return EpsHolders(tuple(dict.fromkeys(("", text))), scope.attrs, modules, keep, scope.fixed, copies_only=False)
+    for path in scope.configs:
+        try:
+            config = config_at(model.config, path)
+        except AttributeError:
+            config = None
+        if not any(getattr(config, a, None) is not None for a in scope.attrs):
+            fields = " or ".join(f"{path}.{a}" if path else a for a in scope.attrs)
+            raise UnsupportedModelError(f"family {family.name}: this {type(model).__name__}'s config has no {fields} for "
+                                        f"its norm eps to move (families/{family.name}.py)")
+    return EpsHolders(scope.configs, scope.attrs, modules, keep, scope.fixed)
 
 
 def config_at(config, path: str):

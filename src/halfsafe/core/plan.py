@@ -182,7 +182,7 @@ class Plan:
 
         exps = {k: int(v) for k, v in exponents.items() if v}
         return cls(family, model_type, exps, headroom_bits, tensor_table(groups, exps, shapes), eps_exponent(groups, exps),
-                   {scope[0]: e for scope, e in scoped_eps_exponents(groups, exps).items()}, context_length,
+                   scoped_eps_exponents(groups, exps), context_length,
                    PLAN_FORMAT, __version__)
 
     def inverse(self) -> "Plan":

@@ -17,8 +17,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..families import GAIN1P, MUL, Family
-from ..families.spec import EpsScope
-from .groups import Group, config_at, eps_scopes, select_parts
+from .groups import EpsHolders, Group, config_at, select_parts
 from .sites import within
 
 
@@ -122,24 +121,26 @@ def _merge_tables(a: dict, b: dict) -> dict:
 
 
 def eps_exponent(groups: list[Group], exponents: dict[str, int]) -> int:
-    """The family's shared norm eps moves by 2**(this)."""
-    return sum(g.eps_power * exponents.get(g.name, 0) for g in groups if g.eps_scope is None)
+    """The family's norm eps moves by 2**(this)."""
+    return sum(g.eps_power * exponents.get(g.name, 0) for g in groups if not g.eps_field)
 
 
-def scoped_eps_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[tuple, int]:
-    """(config field, module prefixes) -> exponent, for the groups that move an eps of their own (eps_field)."""
-    out: dict[tuple, int] = {}
+def scoped_eps_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str, int]:
+    """Config field -> exponent, for the groups that move an eps of their own (a tower's, Group.eps_field)."""
+    out: dict[str, int] = {}
     for g in groups:
-        if g.eps_scope is not None and g.eps_power * exponents.get(g.name, 0):
-            out[g.eps_scope] = out.get(g.eps_scope, 0) + g.eps_power * exponents.get(g.name, 0)
+        if g.eps_field and g.eps_power * exponents.get(g.name, 0):
+            out[g.eps_field] = out.get(g.eps_field, 0) + g.eps_power * exponents.get(g.name, 0)
     return {k: v for k, v in out.items() if v}
 
 
 def move_eps_(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]) -> None:
-    """Move every norm eps the given group exponents move: the shared one and each group's own."""
-    scale_eps_(model, family, eps_exponent(groups, exponents))
-    for scope, e in scoped_eps_exponents(groups, exponents).items():
-        scale_eps_(model, family, e, scope)
+    """Move every norm eps the given group exponents move: the family's and each group's own, where each group's
+    `eps` says it lives (the groups that share one eps hold the same holders)."""
+    holders = {g.eps_field: g.eps for g in groups if g.eps_power}
+    scale_eps_(model, family, holders.get("", ()), eps_exponent(groups, exponents))
+    for field, e in scoped_eps_exponents(groups, exponents).items():
+        scale_eps_(model, family, holders[field], e)
 
 
 @torch.no_grad()
@@ -179,13 +180,12 @@ def trial(model: PreTrainedModel, family: Family, groups: list[Group], exponents
                 params[name].data.copy_(t)
 
 
-def scale_eps_(model: PreTrainedModel, family: Family, exponent: int, scope: tuple[str, tuple[str, ...]] | None = None) -> None:
-    """Move a norm eps by 2**exponent: the family's (`scope` None) or one group's own (`scope`: its Group.eps_scope,
-    a config field path and module prefixes). Each is described by `EpsScope` records (groups.eps_scopes)."""
+def scale_eps_(model: PreTrainedModel, family: Family, where: tuple[EpsHolders, ...], exponent: int) -> None:
+    """Move one norm eps by 2**exponent, in the configs and norms that hold it (`where`: groups.resolve_eps)."""
     if not exponent:
         return
-    for s in eps_scopes(family, model, scope):
-        _scale_eps_scope(model, family, s, 2.0 ** exponent)
+    for holders in where:
+        _scale_eps_holders(model, family, holders, 2.0 ** exponent)
 
 
 def _under(name: str, prefixes) -> bool:
@@ -193,24 +193,24 @@ def _under(name: str, prefixes) -> bool:
     return any(within(name, p) for p in prefixes)
 
 
-def _scale_eps_scope(model: PreTrainedModel, family: Family, scope: EpsScope, factor: float) -> None:
-    """The eps fields of the scope's configs, the same fields in the configs its sub-models keep (only copies of
+def _scale_eps_holders(model: PreTrainedModel, family: Family, holders: EpsHolders, factor: float) -> None:
+    """The eps fields of the holders' configs, the same fields in the configs its sub-models keep (only copies of
     the same value, with `copies_only`), and every covered norm that copied one of them at construction."""
     covered = [(n, m) for n, m in model.named_modules()
-               if (not scope.modules or _under(n, scope.modules)) and not _under(n, scope.keep)]
-    roots = list({id(c): c for c in (config_at(model.config, p) for p in scope.configs)}.values())
+               if (not holders.modules or _under(n, holders.modules)) and not _under(n, holders.keep)]
+    roots = list({id(c): c for c in (config_at(model.config, p) for p in holders.configs)}.values())
     kept = [m.config for _, m in covered if isinstance(getattr(m, "config", None), PretrainedConfig)]
     olds: set[float] = set()
-    for attr in scope.attrs:
+    for attr in holders.attrs:
         values = {getattr(c, attr) for c in roots if getattr(c, attr, None) is not None}
-        configs = roots + [c for c in kept if not scope.copies_only or getattr(c, attr, None) in values]
+        configs = roots + [c for c in kept if not holders.copies_only or getattr(c, attr, None) in values]
         for c in {id(c): c for c in configs}.values():
             old = getattr(c, attr, None)
             if old is not None:
                 setattr(c, attr, old * factor)
                 olds.add(old)
     for name, module in covered:
-        if scope.fixed and name.endswith(scope.fixed):
+        if holders.fixed and name.endswith(holders.fixed):
             continue
         for mattr in family.eps_module_attrs:
             value = getattr(module, mattr, None)

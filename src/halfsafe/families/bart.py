@@ -35,7 +35,7 @@ are already non-finite.
 """
 
 from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_pairs, class_in, linear, norm
-from .spec import Family, GroupSpec, Move, untied_head
+from .spec import EpsScope, Family, GroupSpec, Move, untied_head
 
 M = "model"
 ENC, DEC = f"{M}.encoder.layers", f"{M}.decoder.layers"
@@ -85,6 +85,6 @@ FAMILY = Family(
     unfixable=("fc1 pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention; "
                "a LayerNorm's input only moves with the LayerNorm output before it"),
     residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
-    extra={"fixed_norm_eps": 1e-5},  # nn.LayerNorm's default, not in the config: no checkpoint can move it
+    eps=(EpsScope((), fixed_value=1e-5),),  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5): each norm whose input moves is matched only approximately",
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .spec import GAIN1P, Family, GroupSpec, Move, has_param, tied_head
+from .spec import GAIN1P, EpsScope, Family, GroupSpec, Move, has_param, tied_head
 
 # -- single moves ---------------------------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ def llama_like(name: str, model_types: tuple[str, ...], qk_norm: bool = False, n
         name=name,
         model_types=model_types,
         groups=(GroupSpec("residual", residual, eps_power=2, why="the residual stream and every write into it"), vo, up_down, qk),
-        eps_attrs=("rms_norm_eps",),
+        eps=(EpsScope(("rms_norm_eps",)),),
         unfixable="gate_proj pre-activations (SiLU is not homogeneous); raw QK^T logits under eager attention",
         notes=notes,
         residual_writers=(LLAMA_BLOCK_WRITERS,),
@@ -153,7 +153,7 @@ def moe_family(name: str, model_types: tuple[str, ...], intermediate: str, share
         name=name,
         model_types=model_types,
         groups=tuple(groups),
-        eps_attrs=("rms_norm_eps",),
+        eps=(EpsScope(("rms_norm_eps",)),),
         unfixable=unfixable or ("gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs "
                                 "(SiLU is not homogeneous); raw QK^T logits under eager attention"),
         residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # dense layers (mlp_only_layers) and MoE layers

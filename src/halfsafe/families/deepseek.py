@@ -12,7 +12,7 @@ MoE: y = experts(x) (weights from a router on x, times `routed_scaling_factor`) 
 - residual: `embed_tokens`, `o_proj`, dense `mlp.down_proj`, every expert's `down_proj`, the shared
   experts' `down_proj` (and biases where the config has them) x a; tied head: `model.norm.weight` / a;
   `rms_norm_eps` x a^2 (the block norms and the final norm read it). The MLA norms' eps is fixed in code,
-  so a checkpoint cannot move it (`fixed_eps_modules`); they read `q_a_proj` / `kv_a_proj_with_mqa`, which
+  so a checkpoint cannot move it (`fixed` in its EpsScope); they read `q_a_proj` / `kv_a_proj_with_mqa`, which
   read the normed stream, and nothing in them moves.
 - vo: kv_b_proj's v rows of every head x c, `o_proj.weight` / c.
 - qk: q_b_proj (or q_proj) x c; kv_b_proj's k_nope rows / c and kv_a_proj_with_mqa's rope rows / c.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .builders import LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS, expert_up_down, mlp_up_down, moe_residual
-from .spec import Family, GroupSpec, Move
+from .spec import EpsScope, Family, GroupSpec, Move
 
 A = "model.layers.{i}.self_attn"
 
@@ -62,8 +62,7 @@ FAMILY = Family(
         mlp_up_down("mlp.shared_experts", "shared_up_down"),
         expert_up_down("moe_intermediate_size"),
     ),
-    eps_attrs=("rms_norm_eps",),
-    fixed_eps_modules=("q_a_layernorm", "kv_a_layernorm"),
+    eps=(EpsScope(("rms_norm_eps",), fixed=("q_a_layernorm", "kv_a_layernorm"), fixed_value=1e-6),),
     residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # the first_k_dense_replace dense layers, then MoE
     unfixable="gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs (SiLU is not "
               "homogeneous); raw QK^T logits under eager attention",

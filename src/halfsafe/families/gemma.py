@@ -9,7 +9,7 @@ norm: (1+w)/s - 1. Trap: s(1+w)-1 stored in fp16 rounds, more as s shrinks; the 
 """
 
 from .builders import LLAMA_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich, gemma_tied_head
-from .spec import Family, GroupSpec, Move
+from .spec import EpsScope, Family, GroupSpec, Move
 
 _UNFIXABLE = "gate_proj pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention"
 
@@ -20,7 +20,7 @@ def _family(name, model_types, residual_moves, writers, notes=""):
         model_types=model_types,
         groups=(GroupSpec("residual", residual_moves, eps_power=2, why="the residual stream and every write into it"),
                 *gemma_pairs()),
-        eps_attrs=("rms_norm_eps",),
+        eps=(EpsScope(("rms_norm_eps",)),),
         unfixable=_UNFIXABLE,
         notes=notes,
         residual_writers=(writers,),

@@ -17,7 +17,7 @@ never runs: the tower groups then do not apply (no Gemma 3 checkpoint has one).
 """
 
 from .builders import SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich
-from .spec import Family, GroupSpec, Move
+from .spec import EpsScope, Family, GroupSpec, Move
 
 LM = "model.language_model"
 VT = "model.vision_tower"
@@ -35,7 +35,7 @@ FAMILY = Family(
     one_plus_norm_gains=True,
     groups=(
         GroupSpec("residual", (*gemma_sandwich(q_k_norms=True, lm=LM), Move(f"{PROJECTOR}.mm_input_projection_weight")),
-                  eps_power=2, eps_field="text_config.rms_norm_eps", eps_modules=(LM,),
+                  eps_power=2, eps=EpsScope(("rms_norm_eps",), ("text_config",), (LM,)),
                   why="the language model's residual stream and every write into it, image tokens included"),
         *gemma_pairs(LM),
         GroupSpec("vision_residual", (
@@ -44,7 +44,7 @@ FAMILY = Family(
             *biased(f"{V}.self_attn.out_proj"),
             *biased(f"{V}.mlp.fc2"),
             *biased(f"{VT}.post_layernorm"),
-        ), eps_power=2, eps_field="vision_config.layer_norm_eps", eps_modules=(VT, f"{PROJECTOR}.mm_soft_emb_norm"),
+        ), eps_power=2, eps=EpsScope(("layer_norm_eps",), ("vision_config",), (VT, f"{PROJECTOR}.mm_soft_emb_norm")),
             when=_headless_tower, why="the SigLIP tower's residual stream, its writes and the post_layernorm the projector reads"),
         GroupSpec("vision_vo", (*biased(f"{V}.self_attn.v_proj"), Move(f"{V}.self_attn.out_proj.weight", -1)),
                   per_block=True, when=_headless_tower, why="attention is linear in V: V rows x c, out_proj columns / c"),

@@ -51,7 +51,7 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
 """
 
 from .builders import SANDWICH_BLOCK_WRITERS, biased, up_half
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 
 def _text(model):
@@ -130,7 +130,7 @@ GEMMA4_TEXT = Family(
     model_types=("gemma4_text",),
     groups=(GroupSpec("residual", _TEXT_RESIDUAL, eps_power=2, why="the residual stream and every write into it"),
             *_TEXT_PAIRS),
-    eps_attrs=("rms_norm_eps",),
+    eps=(EpsScope(("rms_norm_eps",)),),
     unfixable=_UNFIXABLE,
     residual_writers=(_PLE_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
 )
@@ -142,13 +142,6 @@ _VISION_RESIDUAL = tuple(Move(p, when=_vision_movable) for p in (
     f"{VL}.input_layernorm.weight", f"{VL}.self_attn.o_proj.linear.weight", f"{VL}.post_attention_layernorm.weight",
     f"{VL}.mlp.down_proj.linear.weight", f"{VL}.post_feedforward_layernorm.weight"))
 _MM_RESIDUAL, _MM_PAIRS = _language_model("model.language_model")
-
-
-def _eps_scope(model) -> dict:
-    scope = {"text_config": ("model.language_model",)}
-    if _vision_movable(model):
-        scope["vision_config"] = (V, "model.embed_vision")
-    return scope
 
 
 GEMMA4 = Family(
@@ -168,8 +161,9 @@ GEMMA4 = Family(
                   per_block=True, when=_vision,
                   why="vision attention (scaling 1): q_norm gain x c, k_norm gain / c (after any clamp of q/k_proj)"),
     ),
-    eps_attrs=("rms_norm_eps",),
-    eps_scope=_eps_scope,
+    # The language model's eps; the vision tower's where its stream moves with it (the audio tower keeps its own).
+    eps=(EpsScope(("rms_norm_eps",), ("text_config",), ("model.language_model",)),
+         EpsScope(("rms_norm_eps",), ("vision_config",), (V, "model.embed_vision"), when=_vision_movable)),
     residual_writers=(_PLE_BLOCK_WRITERS, _AUDIO_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
     unfixable=_UNFIXABLE + "; the audio tower's stream (its linears clamp to stored bounds and 7 of each layer's 9 "
                            "norms hard-code eps 1e-6 instead of reading the config, so no checkpoint can move their eps: "

@@ -18,7 +18,7 @@ No `x*(1+w)` gains, no soft-capping, no embedding multiplier: every move is a pl
 """
 
 from .builders import biased, up_half
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 L = "model.layers.{i}"
 GATE_UP = f"{L}.mlp.gate_up_proj.weight"
@@ -43,7 +43,7 @@ FAMILY = Family(
         GroupSpec("up_down", (Move(GATE_UP, select=(0, UP_ROWS)), Move(f"{L}.mlp.down_proj.weight", -1)),
                   per_block=True, why="up * silu(gate) is linear in up: the up half of gate_up_proj x c, down_proj / c"),
     ),
-    eps_attrs=("rms_norm_eps",),
+    eps=(EpsScope(("rms_norm_eps",)),),
     unfixable="the gate half of gate_up_proj (SiLU is not homogeneous); raw QK^T logits under eager attention",
     residual_writers=(("post_self_attn_layernorm", "post_mlp_layernorm"),),
 )

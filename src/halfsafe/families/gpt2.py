@@ -14,7 +14,7 @@
 - No MLP pair: c_fc feeds GELU (gelu_new by default), which is not homogeneous.
 """
 
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 H = "transformer.h.{i}"
 C_ATTN = f"{H}.attn.c_attn"
@@ -48,7 +48,7 @@ FAMILY = Family(
         GroupSpec("qk", (*_c_attn_part(0, 1), *_c_attn_part(1, -1)), per_block=True,
                   why="QK^T is unchanged by Q columns x c, K columns / c"),
     ),
-    eps_attrs=("layer_norm_epsilon",),
+    eps=(EpsScope(("layer_norm_epsilon",)),),
     unfixable="mlp.c_fc pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention "
               "without reorder_and_upcast_attn",
     residual_writers=(("attn.c_proj", "mlp.c_proj"),),

@@ -11,7 +11,7 @@ non-flash path), so the logits never exist in fp16; softmax(QK^T) @ V runs in th
 - No MLP pair: c_fc feeds GELU (gelu_new), which is not homogeneous.
 """
 
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 H = "transformer.h.{i}"
 A = f"{H}.attn.attention"
@@ -33,7 +33,7 @@ FAMILY = Family(
         GroupSpec("qk", (Move(f"{A}.q_proj.weight"), Move(f"{A}.k_proj.weight", -1)), per_block=True,
                   why="QK^T is unchanged by q x c, k / c"),
     ),
-    eps_attrs=("layer_norm_epsilon",),
+    eps=(EpsScope(("layer_norm_epsilon",)),),
     unfixable="mlp.c_fc pre-activations (GELU is not homogeneous)",
     residual_writers=(("attn.attention.out_proj", "mlp.c_proj"),),
 )

@@ -14,7 +14,7 @@ The head is untied by default (`embed_out` on disk, renamed to and from `lm_head
 - No MLP pair: dense_h_to_4h feeds GELU, which is not homogeneous.
 """
 
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 L = "gpt_neox.layers.{i}"
 QKV = f"{L}.attention.query_key_value"
@@ -49,7 +49,7 @@ FAMILY = Family(
         GroupSpec("qk", (*_qkv_part(0, 1), *_qkv_part(1, -1)), per_block=True,
                   why="QK^T is unchanged by Q rows x c, K rows / c (partial RoPE is linear)"),
     ),
-    eps_attrs=("layer_norm_eps",),
+    eps=(EpsScope(("layer_norm_eps",)),),
     unfixable="mlp.dense_h_to_4h pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention",
     residual_writers=(("attention.dense", "mlp.dense_4h_to_h"),),  # parallel or sequential residual
 )

@@ -18,7 +18,7 @@ stream and does not move.
 """
 
 from .builders import EXPERTS, MOE_BLOCK_WRITERS, biased, decoder_attention_pairs
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 L = "model.layers.{i}"
 
@@ -35,7 +35,7 @@ FAMILY = Family(
         ), eps_power=2, why="the residual stream and every write into it (every expert's down_proj and its bias)"),
         *decoder_attention_pairs(qk_norm=False),
     ),
-    eps_attrs=("rms_norm_eps",),
+    eps=(EpsScope(("rms_norm_eps",)),),
     residual_writers=(MOE_BLOCK_WRITERS,),
     unfixable="experts' gate_up pre-activations (clamped SwiGLU with up + 1: no scale passes through it; a gate "
               "pre-activation of -inf gives NaN); raw QK^T logits under eager attention",

@@ -29,7 +29,7 @@ from .builders import (
     t5_stack_pairs,
     weight,
 )
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 ENC_LOCAL, ENC_TGLOBAL = f"{T5_ENC}.0.LocalSelfAttention", f"{T5_ENC}.0.TransientGlobalSelfAttention"
 
@@ -68,7 +68,7 @@ FAMILY = Family(
         *t5_stack_pairs("enc_tglobal", {"self": ENC_TGLOBAL}, T5_ENC_FF, when=tglobal),
         *t5_stack_pairs("dec", {"self": T5_DEC_SELF, "cross": T5_DEC_CROSS}, T5_DEC_FF, when=has_decoder),
     ),
-    eps_attrs=("layer_norm_epsilon",),
+    eps=(EpsScope(("layer_norm_epsilon",)),),
     residual_writers=(T5_DECODER_WRITERS,
                       ("layer.0.LocalSelfAttention.o", "layer.1.DenseReluDense.wo"),  # encoder, local attention
                       ("layer.0.TransientGlobalSelfAttention.o", "layer.1.DenseReluDense.wo")),  # transient-global

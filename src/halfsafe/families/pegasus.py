@@ -30,7 +30,7 @@ The decoder-only PegasusForCausalLM is laid out differently (no `shared`) and fa
 """
 
 from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_embeddings, bart_pairs, linear, norm
-from .spec import Family, GroupSpec, tied_head
+from .spec import EpsScope, Family, GroupSpec, tied_head
 
 M = "model"
 _E, _D = f"{M}.encoder.layers.{{i}}", f"{M}.decoder.layers.{{i}}"
@@ -50,6 +50,6 @@ FAMILY = Family(
     unfixable=("fc1 pre-activations unless the activation is relu; raw QK^T logits under eager attention; "
                "the residual scale is approximate (LayerNorm eps 1e-5 is fixed in the code)"),
     residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
-    extra={"fixed_norm_eps": 1e-5},  # nn.LayerNorm's default, not in the config: no checkpoint can move it
+    eps=(EpsScope((), fixed_value=1e-5),),  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5), so the residual scale is exact only up to eps / s**2",
 )

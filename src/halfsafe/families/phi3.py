@@ -11,7 +11,7 @@
 """
 
 from .builders import LLAMA_BLOCK_WRITERS, up_half
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 L = "model.layers.{i}"
 QKV = f"{L}.self_attn.qkv_proj.weight"
@@ -55,7 +55,7 @@ FAMILY = Family(
         GroupSpec("qk", (Move(QKV, select=(0, _q_rows)), Move(QKV, -1, select=(0, _k_rows))), per_block=True,
                   why="QK^T is unchanged by Q rows x c, K rows / c (RoPE is linear)"),
     ),
-    eps_attrs=("rms_norm_eps",),
+    eps=(EpsScope(("rms_norm_eps",)),),
     unfixable="the gate half of gate_up_proj (SiLU is not homogeneous); raw QK^T logits under eager attention",
     residual_writers=(LLAMA_BLOCK_WRITERS,),
 )

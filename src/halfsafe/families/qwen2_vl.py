@@ -24,11 +24,11 @@ Vision tower, pre-norm, its own residual stream (blocks.{i}):
   has var >> 1e-6 / s**2); exact with that eps at 0 (tests/test_family_qwen2_vl.py measures both). The
   planner only moves it when calibration samples hold images (a dict sample with pixel_values).
 The language model's eps moves by s**2 with its residual group; the tower's norms keep theirs
-(`eps_skip_modules`), even where the two values are equal (1e-6 in every release).
+(`keep` in its EpsScope), even where the two values are equal (1e-6 in every release).
 """
 
 from .builders import LLAMA_BLOCK_WRITERS, biased
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 L = "model.language_model.layers.{i}"
 VIS = "model.visual"
@@ -83,8 +83,7 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
         name=name,
         model_types=(model_type,),
         groups=tuple(groups),
-        eps_attrs=("rms_norm_eps",),
-        eps_skip_modules=(VIS,),
+        eps=(EpsScope(("rms_norm_eps",), keep=(VIS,)),),
         residual_writers=(LLAMA_BLOCK_WRITERS, ("attn.proj", f"mlp.{mlp_out}")),  # language model, vision tower
         unfixable=(f"gate_proj pre-activations (SiLU is not homogeneous); the vision tower's {vision_mlp} and its "
                    "merger's mlp.0 pre-activations (GELU); raw QK^T logits under eager attention; the vision "

@@ -17,6 +17,10 @@ Fused mixture-of-experts weights stack every expert of a block in one tensor (`e
 [E, 2I, H], `experts.down_proj` [E, H, I]). A `per_expert` group is a per-block group repeated for each
 expert e: every move names the dim its tensor stacks experts along (`Move.expert`), and takes expert e's
 slice there (and, with `select`, only part of that slice, e.g. the up rows of `gate_up_proj`).
+
+A group whose tensors scale the input of norms by s names `eps_power` (2 for x / sqrt(mean(x^2) + eps)): the
+norms' eps must move by s**eps_power too. Where that eps lives is one `EpsScope` (the config fields holding it,
+the norms that copied it): the family's (`Family.eps`), or a group's own (`GroupSpec.eps`: a tower's).
 """
 
 from __future__ import annotations
@@ -67,27 +71,55 @@ class Move:
 
 @dataclass(frozen=True)
 class EpsScope:
-    """One norm eps that a group's `eps_power` moves, as rewrite.scale_eps_ reads it: the configs that hold the
-    value and the norms that copied it at construction. Family data names it where it is written: the family's eps
-    (`Family.eps_attrs`, narrowed by `eps_scope`, `eps_skip_modules`, `fixed_eps_modules`) and a group's own
-    (`GroupSpec.eps_field`, `eps_modules`); `groups.eps_scopes` turns either into these records, with module
-    names as the model names them.
+    """Where one norm eps lives: the config fields holding it and the norms that copied it at construction. A
+    group's `eps_power` moves it by s**eps_power: the family's (`Family.eps`, for every such group) or the group's
+    own (`GroupSpec.eps`, a tower's). groups.expand resolves it for each model (sub-config paths, module names
+    as that model names them) into the `EpsHolders` that rewrite moves.
 
-    configs: dotted paths from the model's config to the configs holding the eps ("vision_config"; "" the
-        model's config itself).
-    attrs: the eps fields there that move (a config lacking one is skipped).
-    modules: module-name prefixes whose norms (and the configs their sub-models keep) read it; () every module.
+    attrs: the config fields holding the eps ("rms_norm_eps"; a config lacking one is skipped). Empty: no config
+        holds it, the modeling code fixes every norm's eps at `fixed_value` (nn.LayerNorm's default): nothing moves.
+    configs: dotted paths from the model's config to the configs holding it ("vision_config"; "" the model's
+        config itself), each of which must hold one of `attrs`; a config a covered sub-model keeps moves only where
+        it holds the same value (a copy). Empty: the model's config and its text config (`get_text_config()`),
+        and every config a covered sub-model keeps that holds the field (the stacks or halves of one model).
+    modules: module-name prefixes whose norms read it (as templates name parameters); empty: every module.
     keep: prefixes inside those whose norms keep an eps of their own, even where it holds the same value (a tower).
-    fixed: module-name suffixes whose eps the modeling code fixes: never moves (a checkpoint cannot carry it).
-    copies_only: a config a covered sub-model keeps moves only where it holds the value of `configs` (a copy);
-        False: every such config that holds the field (the model's eps, held by its stacks or halves)."""
+    fixed: module-name suffixes of norms whose eps the modeling code fixes at `fixed_value` instead of reading the
+        config: a checkpoint cannot carry a moved one, so it never moves, even where it equals the config's value.
+    when: fn(model) -> bool: the eps moves in this model (a tower that keeps its scale where it clamps to stored
+        bounds); None: always."""
 
-    configs: tuple[str, ...]
     attrs: tuple[str, ...]
+    configs: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
     keep: tuple[str, ...] = ()
     fixed: tuple[str, ...] = ()
-    copies_only: bool = True
+    fixed_value: float = 0.0
+    when: Callable | None = None
+
+    def __post_init__(self):
+        for name in ("attrs", "configs", "modules", "keep", "fixed"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{self._name}: {name} is a tuple of names, not {value!r}")
+            if any(not v for v in value) and name != "configs":
+                raise ValueError(f"{self._name}: {name} holds an empty name")
+        if any("." in a for a in self.attrs):
+            raise ValueError(f"{self._name}: attrs are field names; the configs holding them go in `configs`")
+        if any(c.startswith(".") or c.endswith(".") or ".." in c for c in self.configs):
+            raise ValueError(f"{self._name}: configs are dotted paths from the model's config, not {self.configs}")
+        if not self.attrs and (self.fixed_value <= 0 or self.configs or self.modules or self.keep or self.fixed or self.when):
+            raise ValueError(f"{self._name}: with no config field (attrs) the code fixes every norm's eps: give that "
+                             "value (fixed_value) and nothing else")
+        if bool(self.fixed) != (self.fixed_value > 0) and self.attrs:
+            raise ValueError(f"{self._name}: fixed (the norms whose eps the code fixes) and fixed_value (that eps) go together")
+        stray = [k for k in self.keep if self.modules and not any(k == m or k.startswith(m + ".") for m in self.modules)]
+        if stray:
+            raise ValueError(f"{self._name}: keep {stray} lies outside modules {self.modules}: nothing there moves anyway")
+
+    @property
+    def _name(self) -> str:
+        return f"EpsScope {', '.join(self.attrs) or self.fixed_value}"
 
 
 @dataclass(frozen=True)
@@ -101,12 +133,10 @@ class GroupSpec:
     # for pairs that are exact in some blocks of a model only (e.g. not where another block reads the result).
     blocks: Callable | None = None
     why: str = ""
-    # A model whose parts have norms of their own eps (a vision tower beside a language model) names, per group,
-    # the config field its eps_power moves (a dotted path from the model's config, "vision_config.layer_norm_eps")
-    # and the modules whose norms copy that field at run time (name prefixes, as the templates name parameters).
-    # Empty: the family's eps_attrs, in every config and norm of the model that holds them.
-    eps_field: str = ""
-    eps_modules: tuple[str, ...] = ()
+    # The eps this group's eps_power moves, where it is not the family's (`Family.eps`): the group's own, in a model
+    # whose parts have norms of their own eps (a vision tower beside a language model). One field of one config
+    # (the plan records it as "vision_config.layer_norm_eps"), with the modules whose norms copied it.
+    eps: EpsScope | None = None
     per_expert: bool = False  # per block, one group per expert (fused expert tensors; see the module doc)
 
     def __post_init__(self):
@@ -129,12 +159,28 @@ class GroupSpec:
             raise ValueError(f"group {self.name}: Move.expert only makes sense in a per_expert group")
         if self.per_block and self.eps_power:
             raise ValueError(f"group {self.name}: only a whole-model group can move the shared norm eps")
-        if bool(self.eps_field) != bool(self.eps_modules) or (self.eps_field and not self.eps_power):
-            raise ValueError(f"group {self.name}: eps_field and eps_modules go together, with an eps_power")
+        if self.eps is not None:
+            _check_own_eps(self)
         # Parts of one fused tensor (distinct selects) may move by different powers (Q rows x c, K rows / c);
         # groups.expand checks that such parts do not overlap.
         if len({(m.param, m.select) for m in self.moves}) != len(self.moves):
             raise ValueError(f"group {self.name}: a template is listed twice")
+
+
+def _check_own_eps(group: GroupSpec) -> None:
+    """A group's own eps: one config field that the group's eps_power moves whenever the group exists."""
+    eps = group.eps
+    if not isinstance(eps, EpsScope):
+        raise ValueError(f"group {group.name}: eps is an EpsScope, not {eps!r}")
+    if not group.eps_power:
+        raise ValueError(f"group {group.name}: an eps of its own moves by the group's eps_power, which is 0")
+    if len(eps.configs) != 1 or len(eps.attrs) != 1 or not eps.configs[0]:
+        raise ValueError(f"group {group.name}: a group's own eps is one field of one sub-config (configs=('vision_config',), "
+                         f"attrs=('layer_norm_eps',)), not configs {eps.configs}, attrs {eps.attrs}")
+    if not eps.modules:
+        raise ValueError(f"group {group.name}: name the modules whose norms read the group's own eps (a tower's prefix)")
+    if eps.when is not None:
+        raise ValueError(f"group {group.name}: a group's own eps moves wherever the group does: put `when` on the GroupSpec")
 
 
 @dataclass(frozen=True)
@@ -142,22 +188,12 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     groups: tuple[GroupSpec, ...]
-    eps_attrs: tuple[str, ...] = ()  # config fields holding the norm eps that eps_power moves
+    # The family's norm eps, what the eps_power of a group without an eps of its own moves: one scope for the whole
+    # model (`(EpsScope(("rms_norm_eps",)),)`), or one per part of a composite model (a language model and a tower
+    # sharing its scale). A single scope without attrs says the code fixes every norm's eps: nothing can move it.
+    eps: tuple[EpsScope, ...] = ()
     # Module attributes that hold a copy of that eps at run time (nn.LayerNorm.eps, RMSNorm.variance_epsilon).
     eps_module_attrs: tuple[str, ...] = ("eps", "variance_epsilon", "epsilon", "layer_norm_epsilon")
-    # The next three say where the family's eps (what eps_power moves) lives; groups.eps_scopes turns them, and each
-    # GroupSpec.eps_field, into EpsScope records, the one description rewrite.scale_eps_ reads.
-    # Where the moved eps lives, for models whose sub-configs keep eps of their own (a vision or audio tower
-    # beside a language model): fn(model) -> {sub-config attribute of model.config ("" for model.config
-    # itself): module names under which every norm copied that eps}. None: every config and every module.
-    eps_scope: Callable | None = None
-    # Modules (named as templates name them, e.g. a vision tower "model.visual") whose norms keep their own eps
-    # when eps_power moves the family's: a tower whose eps is not the language model's, though it may equal it.
-    eps_skip_modules: tuple[str, ...] = ()
-    # Norm modules (name suffixes) whose eps the modeling code fixes instead of reading the config (DeepSeek's
-    # MLA norms: 1e-6). A saved checkpoint cannot carry a moved eps for them, so it never moves, even where it
-    # equals the config's value; no group may move their inputs.
-    fixed_eps_modules: tuple[str, ...] = ()
     unfixable: str = ""  # what no exact rescaling reaches in this family, in words
     # The norms compute x * (1 + w) (Gemma): llama.cpp's converter stores 1 + w, so the GGUF check
     # (halfsafe.export.gguf) compares the stored gains with 1 + w.
@@ -175,9 +211,39 @@ class Family:
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise ValueError(f"family {self.name}: group names repeat: {names}")
-        if any(g.eps_power and not g.eps_field for g in self.groups) and not self.eps_attrs:
-            raise ValueError(f"family {self.name}: a group moves the eps but eps_attrs is empty")
+        _check_family_eps(self)
         _check_writer_sets(self.name, self.residual_writers)
+
+    @property
+    def eps_attrs(self) -> tuple[str, ...]:
+        """The config fields that hold the family's eps (derived from `eps`)."""
+        return tuple(dict.fromkeys(a for scope in self.eps for a in scope.attrs))
+
+
+def _check_family_eps(family: Family) -> None:
+    """The family's eps scopes do not contradict each other, and a group that moves the family's eps has one to move;
+    groups that name the same eps of their own describe it the same way."""
+    scopes = family.eps
+    if not isinstance(scopes, tuple) or not all(isinstance(s, EpsScope) for s in scopes):
+        raise ValueError(f"family {family.name}: eps is a tuple of EpsScope values, not {scopes!r}")
+    if any(not s.attrs for s in scopes) and len(scopes) > 1:
+        raise ValueError(f"family {family.name}: a scope without attrs (the code fixes every norm's eps) stands alone")
+    if sum(not s.configs for s in scopes) > 1:
+        raise ValueError(f"family {family.name}: more than one eps scope covers the whole model (configs=()): "
+                         "name each part's config")
+    if any(g.eps_power and g.eps is None for g in family.groups) and not any(s.attrs for s in scopes):
+        raise ValueError(f"family {family.name}: a group moves the family's eps but `eps` names no config field holding "
+                         "it (eps=(EpsScope((\"rms_norm_eps\",)),))")
+    shared = {(c, a) for s in scopes for c in s.configs for a in s.attrs}
+    own: dict[tuple, EpsScope] = {}
+    for g in family.groups:
+        if g.eps is None:
+            continue
+        field = (g.eps.configs[0], g.eps.attrs[0])
+        if field in shared:
+            raise ValueError(f"family {family.name}, group {g.name}: {'.'.join(field)} is the family's eps too (it would move twice)")
+        if own.setdefault(field, g.eps) != g.eps:
+            raise ValueError(f"family {family.name}: groups name {'.'.join(field)} with different scopes")
 
 
 def _check_writer_sets(family: str, sets) -> None:

@@ -32,7 +32,7 @@ from .builders import (
     t5_stack_pairs,
     weight,
 )
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 T5_ENC_SELF = f"{T5_ENC}.0.SelfAttention"
 
@@ -56,7 +56,7 @@ FAMILY = Family(
         *t5_stack_pairs("enc", {"self": T5_ENC_SELF}, T5_ENC_FF),
         *t5_stack_pairs("dec", {"self": T5_DEC_SELF, "cross": T5_DEC_CROSS}, T5_DEC_FF, when=has_decoder),
     ),
-    eps_attrs=("layer_norm_epsilon",),
+    eps=(EpsScope(("layer_norm_epsilon",)),),
     unfixable="gated wi_0 pre-activations (GELU is not homogeneous); the wi pre-activation of an ungated "
               "non-ReLU feed-forward; raw QK^T + position bias logits under eager attention",
     residual_writers=(T5_DECODER_WRITERS, ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo")),  # decoder, encoder

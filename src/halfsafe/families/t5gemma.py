@@ -22,7 +22,7 @@ groups.expand.
 """
 
 from .builders import T5GEMMA_SELF_WRITERS, biased, gain, t5gemma_up_down
-from .spec import Family, GroupSpec, Move
+from .spec import EpsScope, Family, GroupSpec, Move
 
 ENC, DEC = "model.encoder.layers.{i}", "model.decoder.layers.{i}"
 
@@ -69,7 +69,7 @@ FAMILY = Family(
         t5gemma_up_down("enc", ENC),
         t5gemma_up_down("dec", DEC),
     ),
-    eps_attrs=("rms_norm_eps",),
+    eps=(EpsScope(("rms_norm_eps",)),),
     residual_writers=(("post_self_attn_layernorm", "post_cross_attn_layernorm", "post_feedforward_layernorm"),  # decoder
                       T5GEMMA_SELF_WRITERS),  # encoder
     unfixable="gate_proj pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention "

@@ -15,7 +15,7 @@ Encoder input: embed(ids), with image tokens replaced by the projector's output
   q/k norms) reads an input scaled by s and the eps moves by s**2 exactly. The encoder's final norm puts out what
   it did, so the decoder's cross keys (k_norm(k_proj(enc)) with k_proj x s: exact) and values are unchanged.
   Tied head: `model.decoder.norm` (1+w)/s - 1. The vision tower and the projector's norm keep their eps
-  (`eps_skip_modules`; their 1e-6 equals the text eps in every release).
+  (`keep` in its EpsScope; their 1e-6 equals the text eps in every release).
 - per block (encoder and decoder): v/o (v_proj x c, o_proj columns / c; the merged attention's self and cross
   values both come from v_proj), up/down (gelu(gate) * up is linear in up). No q/k pair, as in Gemma 3: q and k
   leave their norms already bounded, and moving the (1+w) gains of q_norm/k_norm by c and 1/c is not invertible
@@ -27,7 +27,7 @@ Trap (as Gemma 2/3): s(1+w)-1 stored in 16 bits rounds, more as s shrinks; the p
 """
 
 from .builders import SIGLIP_BLOCK_WRITERS, T5GEMMA_SELF_WRITERS, biased, gain, t5gemma_up_down
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 ENC, DEC = "model.encoder.text_model.layers.{i}", "model.decoder.layers.{i}"
 EMB = "model.encoder.text_model.embed_tokens"
@@ -76,8 +76,7 @@ FAMILY = Family(
         GroupSpec("vis_qk", (*biased(f"{V}.q_proj"), *biased(f"{V}.k_proj", -1)), per_block=True,
                   why="QK^T is unchanged by q_proj x c, k_proj / c"),
     ),
-    eps_attrs=("rms_norm_eps",),
-    eps_skip_modules=(VIS, "model.encoder.multi_modal_projector"),
+    eps=(EpsScope(("rms_norm_eps",), keep=(VIS, "model.encoder.multi_modal_projector")),),
     residual_writers=(T5GEMMA_SELF_WRITERS, SIGLIP_BLOCK_WRITERS),  # encoder and decoder (merged attention), vision tower
     unfixable=("gate_proj pre-activations (GELU is not homogeneous); the vision tower's residual stream (its "
                "LayerNorm eps is a separate config field) and fc1 pre-activations (GELU); raw QK^T logits under "
