@@ -11,12 +11,11 @@ import torch
 from transformers import PreTrainedModel
 
 from .core.formats import FP16_MAX
+from .core.forward import model_inputs, prefix, run_for_stats
 from .core.sites import Site, block_of, find_blocks, headroom_bits
 from .core.stats import ActivationCollector, SiteStats
-from .engine.forward import model_inputs, prefix, run_for_stats
 from .engine.pipeline import in_step
 from .engine.precision import in_dtype
-from .engine.streamed import streamed_of
 from .progress import phase
 
 if TYPE_CHECKING:
@@ -129,13 +128,8 @@ def first_nonfinite_in_fp16(model: PreTrainedModel, samples: list[torch.Tensor],
     """Run an fp16 copy of `model` on a short prefix of the samples (`arith`: halfsafe.engine.fp16_arith); the first module
     whose output is inf/NaN, or None."""
     with in_dtype(model, torch.float16, arith) as half, ActivationCollector(half, stop_at_nonfinite=True) as collector:
-        if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
-            in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]])
-        else:
-            for ids in samples[:2]:
-                _fp16_forward(half, ids)
-                if collector.first_nonfinite:
-                    break
+        # the first sample's site if it has one, else the second's (one after another, the second only if needed)
+        in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]], until=lambda: bool(collector.first_nonfinite))
     return collector.first_nonfinite
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .lanes import lane
 from .sites import Hooks, Site, headroom_bits
 
 PERCENTILE = 99.9
@@ -140,7 +141,7 @@ class ActivationCollector:
     sites: dict[str, SiteStats] = field(default_factory=dict)
     first_nonfinite: str | None = None
     _handles: Hooks = field(default_factory=Hooks)
-    # per forward (engine.pipeline.lane(): None outside a pass), one [name, calls inside it, its own call] frame per
+    # per forward (core.lanes.lane(): None outside a pass), one [name, calls inside it, its own call] frame per
     # module now running, outermost first
     _stacks: dict = field(default_factory=dict)
     _order: dict = field(default_factory=dict)  # per forward, its sites in the order it first recorded them
@@ -148,8 +149,6 @@ class ActivationCollector:
 
     @property
     def _running(self) -> list:
-        from ..engine.pipeline import lane
-
         return self._stacks.setdefault(lane(), [])
 
     def __enter__(self) -> "ActivationCollector":
@@ -172,8 +171,6 @@ class ActivationCollector:
             self.sites = {s: self.sites[s] for s in order}
 
     def _record(self, site: str, module: nn.Module, value) -> None:
-        from ..engine.pipeline import lane
-
         t = first_tensor(value)
         if t is None:
             return

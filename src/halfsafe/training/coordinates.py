@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from ..core.groups import Group, expand
-from ..core.rewrite import apply_exponents_, move_eps_, scale_tensor_, select_key, tensor_exponents
+from ..core.rewrite import apply_exponents_, move_eps_, select_key, tensor_exponents
+from ..core.weights import scale_tensor_
 from ..families import GAIN1P, MUL, Family, family_for
 
 
