@@ -120,10 +120,12 @@ def load_streamed(folder: Path, config: PretrainedConfig, device: "str | torch.d
     from ..engine.shards import Shards
     from ..engine.streamed import build
 
+    # a folder without safetensors weights, or a config no class fits, is refused here, not logged and loaded whole
+    cls = cls if cls is not None else model_class_for(config)
+    shards = shards if shards is not None else Shards(folder)
     try:
         with quiet_transformers():
-            streamed = build(config, cls if cls is not None else model_class_for(config),
-                             shards if shards is not None else Shards(folder), str(device))
+            streamed = build(config, cls, shards, str(device))
     except HalfsafeError as e:
         logging.getLogger(__name__).warning("%s; loading the whole model instead", e)
         return None
