@@ -1,5 +1,5 @@
 """rewrite.py's table helpers by hand: a select's hashable key, two tensor tables merged into one (what a streamed
-model applies when a second plan follows the first), and the finiteness check after a rewrite."""
+model applies when a second plan follows the first), and the finiteness check after a rewrite (core.weights)."""
 
 from __future__ import annotations
 
