@@ -31,11 +31,11 @@ import torch  # noqa: E402
 
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.convert import EVAL_TOKENS, default_samples  # noqa: E402
+from halfsafe.core.forward import logits as forward_logits  # noqa: E402
+from halfsafe.core.forward import prefix  # noqa: E402
 from halfsafe.core.groups import expand  # noqa: E402
 from halfsafe.core.metrics import mean_kl, top1_agreement  # noqa: E402
 from halfsafe.core.rewrite import trial  # noqa: E402
-from halfsafe.engine.forward import logits as forward_logits  # noqa: E402
-from halfsafe.engine.forward import prefix  # noqa: E402
 from halfsafe.engine.precision import cast_copy  # noqa: E402
 from halfsafe.families import family_for  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402

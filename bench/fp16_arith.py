@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 def runs(folder: Path, gemma: bool, arith: str) -> None:
     """Write every case's fp16 logits computed with `arith` into folder/<case>.pt."""
-    from halfsafe.engine.forward import logits
+    from halfsafe.core.forward import logits
     from halfsafe.engine.precision import in_dtype
     from tests.tiny import TINY, make_tiny, tiny_ids
 

@@ -24,7 +24,7 @@ TOKENS = 128
 
 def trial(source: str) -> str:
     from halfsafe.calibration import default_text
-    from halfsafe.engine.forward import logits
+    from halfsafe.core.forward import logits
     from halfsafe.engine.precision import in_dtype
     from halfsafe.io.loading import load_model
 

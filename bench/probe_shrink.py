@@ -12,10 +12,10 @@ import time
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.convert import PROBE_TOKENS
+from halfsafe.core.forward import prefix
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.shrink import probe_governed, shrunk_model
-from halfsafe.engine.forward import prefix
 from halfsafe.families import family_for
 from halfsafe.io.loading import load_model
 

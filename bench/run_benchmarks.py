@@ -281,7 +281,7 @@ def stress_model(key: str):
     from stress import make_stress
     from tiny import make_tiny
 
-    from halfsafe.engine.forward import logits
+    from halfsafe.core.forward import logits
 
     model = make_tiny(key)
     vocab = model.config.get_text_config().vocab_size

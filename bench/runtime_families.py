@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tiny import TINY, make_tiny, tiny_ids  # noqa: E402
 
-from halfsafe.engine.forward import logits  # noqa: E402
+from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.engine.precision import cast_copy  # noqa: E402
 from halfsafe.errors import HalfsafeError  # noqa: E402
 from halfsafe.runtime import emulate  # noqa: E402

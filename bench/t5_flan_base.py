@@ -30,8 +30,8 @@ from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 
 from halfsafe.calibration import default_text, heldout_text, make_samples  # noqa: E402
 from halfsafe.cli import main as cli  # noqa: E402
+from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.core.metrics import mean_kl, top1_agreement  # noqa: E402
-from halfsafe.engine.forward import logits  # noqa: E402
 from halfsafe.engine.precision import cast_copy  # noqa: E402
 from halfsafe.runtime.fp16 import load_pure_fp16  # noqa: E402
 

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
+from halfsafe.core.forward import logits
 from halfsafe.core.plan import PLAN_FORMAT, Plan
-from halfsafe.engine.forward import logits
 
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
 

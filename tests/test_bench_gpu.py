@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from halfsafe.calibration import default_text, make_samples
-from halfsafe.engine.forward import logits
+from halfsafe.core.forward import logits
 from tests.stress import make_stress
 from tests.tiny import make_tiny
 

@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.cli import main
 from halfsafe.convert import EVAL_TOKENS, make_fp16_safe, plan_fp16_safe
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.rewrite import apply_exponents_
 from halfsafe.core.sites import find_blocks
-from halfsafe.engine.forward import logits
 from halfsafe.engine.fp16_arith import fp16_arith
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import UnfixableOverflowError, UnsupportedModelError

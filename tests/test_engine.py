@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.rewrite import apply_exponents_, trial
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import in_dtype
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import HalfsafeError

@@ -136,7 +136,7 @@ def test_a_config_that_disagrees_with_the_weights_is_refused_fast(model, capsys,
 
 
 def test_a_shard_larger_than_this_machine_can_map_is_refused(model, capsys):
-    from halfsafe.io.validate import mappable_bytes
+    from halfsafe.engine.shards import mappable_bytes
 
     limit = mappable_bytes()
     if limit is None:

@@ -25,8 +25,8 @@ from tiny import make_tiny  # noqa: E402
 from halfsafe.calibration import default_text, make_samples  # noqa: E402
 from halfsafe.cli import main  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
+from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.core.metrics import mean_kl  # noqa: E402
-from halfsafe.engine.forward import logits  # noqa: E402
 from halfsafe.export import onnx_norms  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, export_onnx  # noqa: E402
 from halfsafe.export.onnx_norms import choose_shift, fp16_statistics  # noqa: E402

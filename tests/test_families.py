@@ -9,10 +9,10 @@ from stress import make_stress, weight_peak
 from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand, select_parts
 from halfsafe.core.metrics import mean_kl
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.families import REGISTRY, family_for
 

@@ -13,10 +13,10 @@ from tiny import make_tiny, random_exponents, save_tiny, tiny_ids
 from transformers import Gemma3nConfig
 
 from halfsafe.convert import convert_checkpoint
+from halfsafe.core.forward import image_prompt, logits, model_inputs
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import image_prompt, logits, model_inputs
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for

@@ -10,10 +10,10 @@ from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from transformers import Gemma4ForConditionalGeneration
 
 from halfsafe.cli import main
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.scan import collect, layer_peaks

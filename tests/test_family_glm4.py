@@ -10,10 +10,10 @@ import pytest
 from tiny import TINY, make_tiny, random_exponents, tiny_ids
 from tiny.glm4 import config
 
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.families.spec import Move

@@ -12,10 +12,10 @@ from tiny.longt5 import COMMON as LONGT5
 from tiny.t5gemma import config as t5gemma_config
 from transformers import LongT5Config
 
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for
 

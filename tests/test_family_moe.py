@@ -13,11 +13,11 @@ import torch
 from tiny import TINY, make_tiny, random_exponents, tiny_ids
 
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.plan import constraints_from, solve
 from halfsafe.core.probe import _passes, probe
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import GroupSpec, Move, family_for

@@ -13,10 +13,10 @@ from tiny import make_tiny, random_exponents
 from tiny.qwen2_vl import image_inputs
 
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.metrics import mean_kl
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.families import family_for
 from halfsafe.scan import scan

@@ -8,9 +8,9 @@ import torch
 from tiny import make_tiny, random_exponents
 from tiny.t5gemma2 import EOI, image_inputs
 
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.families import family_for
 from halfsafe.scan import scan
 

@@ -16,10 +16,10 @@ from tiny import TINY, make_tiny, tiny_ids
 
 from halfsafe.cli import main
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.metrics import mean_kl
 from halfsafe.core.rewrite import apply_exponents_
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import family_for

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from halfsafe.cli import main
+from halfsafe.core.forward import logits
 from halfsafe.engine import fp16_arith
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import in_dtype
 from halfsafe.scan import first_nonfinite_in_fp16
 from tests.stress import make_stress

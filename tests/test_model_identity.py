@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from halfsafe.engine.forward import logits
+from halfsafe.core.forward import logits
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.io.loading import load_model
 from tests.same_run import assert_same_run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import halfsafe.engine.wide as wide
-from halfsafe.engine.forward import logits
+from halfsafe.core.forward import logits
 from halfsafe.engine.pipeline import apart, in_step
 from halfsafe.engine.reads import Reads, checkpoint_bytes
 from halfsafe.engine.streamed import streamed_of

@@ -8,9 +8,9 @@ import torch
 from tiny import make_tiny, tiny_ids
 
 from halfsafe.convert import apply_plan_
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import Group, expand
 from halfsafe.core.plan import Constraint, Plan, predicted_log2, solve
-from halfsafe.engine.forward import logits
 from halfsafe.families import family_for
 
 G = [Group("residual", "residual", None, ()), Group("qk@b0", "qk", "b0", ())]

@@ -13,8 +13,8 @@ import pytest
 
 from halfsafe import progress
 from halfsafe.cli import main
+from halfsafe.core.forward import logits, run_for_stats
 from halfsafe.core.sites import find_blocks
-from halfsafe.engine.forward import logits, run_for_stats
 from halfsafe.engine.precision import in_dtype
 from halfsafe.io.loading import load_model
 from tests.tiny import save_tiny, tiny_ids

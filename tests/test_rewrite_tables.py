@@ -1,5 +1,5 @@
 """rewrite.py's table helpers by hand: a select's hashable key, two tensor tables merged into one (what a streamed
-model applies when a second plan follows the first), and the finiteness check after a rewrite."""
+model applies when a second plan follows the first), and the finiteness check after a rewrite (core.weights)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from halfsafe.core.rewrite import _merge_tables, check_finite, select_key
+from halfsafe.core.rewrite import merge_tables, select_key
+from halfsafe.core.weights import check_finite
 
 SA, SB = (0, slice(0, 2)), (0, slice(2, 4))  # two row ranges of one fused tensor
 
@@ -24,12 +25,12 @@ def test_select_key_is_the_part_itself_for_one_dim_and_a_tuple_for_several():
 def test_merge_tables_adds_exponents_per_kind_and_part_and_drops_what_cancels():
     a = {"w": [("mul", -1, SA), ("gain1p", 2, None)], "v": [("mul", 3, None)], "u": [("mul", 1, None)]}
     b = {"w": [("mul", -2, SB), ("mul", 1, SA)], "v": [("mul", -3, None)], "x": [("mul", -4, SB)]}
-    assert _merge_tables(a, b) == {
+    assert merge_tables(a, b) == {
         "w": [("gain1p", 2, None), ("mul", -2, SB)],  # SA: -1 + 1 = 0, dropped
         "u": [("mul", 1, None)],
         "x": [("mul", -4, SB)],
     }  # v cancels entirely
-    assert _merge_tables({}, b) == b and _merge_tables(a, {}) == a
+    assert merge_tables({}, b) == b and merge_tables(a, {}) == a
 
 
 class _Weights(nn.Module):

@@ -14,7 +14,7 @@ from tiny import make_tiny
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
 from halfsafe.convert import make_fp16_safe
-from halfsafe.engine.forward import logits
+from halfsafe.core.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime.emulate import emulate_runtime

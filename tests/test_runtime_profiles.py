@@ -169,8 +169,8 @@ def test_attention16_matches_eager_softmax_attention():
 def test_streamed_model_with_every_matrix_wide_emulates_as_the_whole(tmp_path, monkeypatch):
     from tiny import save_tiny
 
+    from halfsafe.core.forward import logits
     from halfsafe.engine import wide
-    from halfsafe.engine.forward import logits
     from halfsafe.engine.precision import in_dtype
     from halfsafe.engine.streamed import streamed_of
     from halfsafe.io.loading import load_model

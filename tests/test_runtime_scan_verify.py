@@ -15,7 +15,7 @@ from tiny import make_tiny
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import make_fp16_safe
 from halfsafe.core import arith16
-from halfsafe.engine.forward import logits
+from halfsafe.core.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.runtime.stats import RuntimeCollector
 from halfsafe.scan import scan

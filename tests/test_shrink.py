@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, GPTNeoXConfig
 
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.probe import probe
 from halfsafe.core.shrink import LAYER_FIELDS, map_governed, probe_governed, randomize_, shrunk_config, shrunk_model
 from halfsafe.core.stats import ActivationCollector
-from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import UnsupportedModelError
 from halfsafe.families import family_for

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from halfsafe.core.forward import logits
 from halfsafe.core.sites import Hooks, Site, block_of, find_blocks, headroom_bits
 from halfsafe.core.stats import ActivationCollector, SiteStats
-from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import HalfsafeError
 from halfsafe.io.loading import load_model

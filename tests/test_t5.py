@@ -14,11 +14,11 @@ from transformers import AutoModelForSeq2SeqLM, T5EncoderModel, T5ForConditional
 
 from halfsafe.convert import make_fp16_safe
 from halfsafe.core.formats import FP16_MAX
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.metrics import mean_kl
 from halfsafe.core.rewrite import apply_exponents_
 from halfsafe.core.stats import first_tensor
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.families import family_for
 from halfsafe.families.spec import tied_head

@@ -15,8 +15,8 @@ from transformers import T5Config, T5ForConditionalGeneration
 from halfsafe.calibration import default_text, make_samples
 from halfsafe.cli import main
 from halfsafe.core.formats import FP16_MAX
+from halfsafe.core.forward import logits
 from halfsafe.core.metrics import mean_kl
-from halfsafe.engine.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.runtime.fp16 import load_pure_fp16
 from halfsafe.scan import scan

@@ -15,8 +15,8 @@ from tiny import make_tiny, tiny_ids
 
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import make_fp16_safe
+from halfsafe.core.forward import logits
 from halfsafe.core.sites import find_blocks
-from halfsafe.engine.forward import logits
 from halfsafe.engine.fp16_arith import fp16_arith
 from halfsafe.engine.precision import cast_copy
 from halfsafe.runtime.baselines import clamp_residual_adds, keep_residual_fp32, residual_writers

@@ -19,9 +19,10 @@ from torch import nn
 
 import halfsafe
 import halfsafe.plots
-from halfsafe.engine import fp16_arith
+from halfsafe.core.weights import compute_device
+from halfsafe.engine import fp16_arith, precision
 from halfsafe.engine.reads import Reads
-from halfsafe.engine.streamed import compute_device, streamed_of
+from halfsafe.engine.streamed import streamed_of
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime.baselines import RuntimeHandle, clamp_residual_adds, keep_residual_fp32
 from halfsafe.verify import accumulator, compare, converted, report, runner
@@ -348,8 +349,8 @@ def test_built_switches_a_streamed_original_and_restores_it(monkeypatch):
     log = []
     fake = SimpleNamespace(set_dtype=lambda d: log.append(("set", d)) or "SAVED", restore_dtype=lambda s: log.append(("restore", s)))
     original = SimpleNamespace()
-    monkeypatch.setattr(compare, "streamed_of", lambda m: fake if m is original else None)
-    monkeypatch.setattr(compare, "cast_copy", lambda *a: pytest.fail("a streamed original is not copied"))
+    monkeypatch.setattr(precision, "streamed_of", lambda m: fake if m is original else None)
+    monkeypatch.setattr(precision, "cast_copy", lambda *a: pytest.fail("a streamed original is not copied"))
     said = []
     with compare._built(original, None, False, torch.bfloat16, True, "DEV", said.append) as got:
         assert got is original and log == [("set", torch.bfloat16)]

@@ -15,7 +15,7 @@ from stress import make_stress
 from tiny import TINY, make_tiny, tiny_ids
 
 from halfsafe.calibration import default_text, heldout_text, make_samples
-from halfsafe.engine.forward import logits
+from halfsafe.core.forward import logits
 from halfsafe.verify import runner as runner_module
 from halfsafe.verify import verify
 from halfsafe.verify.accumulator import matched_prefix

@@ -14,8 +14,8 @@ from tiny import make_tiny
 
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import convert_checkpoint
+from halfsafe.core.forward import logits
 from halfsafe.core.sites import find_blocks
-from halfsafe.engine.forward import logits
 from halfsafe.engine.streamed import streamed_of
 from halfsafe.verify import ALL_VARIANTS, FP16, HALFSAFE, verify
 from halfsafe.verify import runner as runner_module

@@ -13,11 +13,12 @@ import torch
 
 import halfsafe.engine.shards as shards_module
 import halfsafe.engine.wide as wide
+from halfsafe.core.forward import logits
 from halfsafe.core.groups import expand
 from halfsafe.core.rewrite import apply_exponents_, trial
-from halfsafe.engine.forward import logits
+from halfsafe.core.weights import value_blocks, weights_of
 from halfsafe.engine.precision import in_dtype
-from halfsafe.engine.streamed import streamed_of, value_blocks, weights
+from halfsafe.engine.streamed import streamed_of
 from halfsafe.engine.wide import WideWeight
 from halfsafe.families import family_for
 from halfsafe.io.checkpoint import save_fp16_checkpoint
@@ -131,7 +132,7 @@ def test_weights_read_in_blocks_of_rows_are_the_whole_value(tmp_path, monkeypatc
     family = family_for(whole.config.model_type)
     exps = random_exponents(expand(family, whole), seed=2)
     with trial(streamed, family, expand(family, streamed), exps), trial(whole, family, expand(family, whole), exps):
-        values = weights(streamed)
+        values = weights_of(streamed).values()
         for name, p in whole.named_parameters():
             blocks = list(value_blocks(values, name))
             assert torch.equal(torch.cat(blocks) if p.dim() else blocks[0], p.detach()), name

@@ -11,6 +11,8 @@ from transformers import PreTrainedModel
 
 from .calibration import default_text, make_samples
 from .core.formats import FP16_MAX, FP16_MIN_NORMAL
+from .core.forward import logits as forward_logits
+from .core.forward import prefix, sample_tokens
 from .core.groups import expand
 from .core.margin import Margin, check_options, choose_margin
 from .core.metrics import mean_kl, top1_agreement
@@ -18,14 +20,12 @@ from .core.plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraint
 from .core.rewrite import apply_exponents_, model_key, trial
 from .core.shrink import probe_governed
 from .core.sites import Site
+from .core.weights import value_blocks, weights_of
 from .engine.device import return_freed_memory
-from .engine.forward import logits as forward_logits
-from .engine.forward import prefix, sample_tokens
 from .engine.fp16_arith import check_arith
 from .engine.fp16_arith import resolve as resolve_arith
 from .engine.precision import in_dtype
 from .engine.reads import Reads
-from .engine.streamed import value_blocks, weights
 from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import family_for
@@ -224,7 +224,7 @@ def plan_fp16_safe(
         with phase("probe", quiet=not progress):
             governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
         with phase("plan", quiet=not progress):
-            constraints = constraints_from(report.sites, governed, groups, weights(model))
+            constraints = constraints_from(report.sites, governed, groups, weights_of(model).values())
     eval_ids = _eval_ids(samples)
     with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):
         ref = forward_logits(model, eval_ids).float()
@@ -374,7 +374,7 @@ STORAGE_LIMIT = 0.01  # relative L2 error of a tensor's fp16 copy that means it 
 def apply_measured_(model: PreTrainedModel, plan: Plan) -> list[dict]:
     """`apply_plan_`, with the fp16 storage error of every touched tensor before and after (see `storage_error`)."""
     touched = sorted({t["param"] for t in plan.tensors})
-    values = weights(model)  # read as they are at each access: before, then after the plan
+    values = weights_of(model).values()  # read as they are at each access: before, then after the plan
     before = {p: storage_error(value_blocks(values, p)) for p in touched}
     apply_plan_(model, plan)
     return [{"param": p, "before": before[p], "after": storage_error(value_blocks(values, p))} for p in touched]

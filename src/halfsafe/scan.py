@@ -12,12 +12,11 @@ import torch
 from transformers import PreTrainedModel
 
 from .core.formats import FP16_MAX
+from .core.forward import model_inputs, prefix, run_for_stats
 from .core.sites import Site, block_of, find_blocks, headroom_bits
 from .core.stats import ActivationCollector, SiteStats
-from .engine.forward import model_inputs, prefix, run_for_stats
 from .engine.pipeline import in_step
 from .engine.precision import in_dtype
-from .engine.streamed import streamed_of
 from .progress import phase
 
 if TYPE_CHECKING:
@@ -153,14 +152,9 @@ def check_fp16(model: PreTrainedModel, samples: list[torch.Tensor], arith: str =
     module whose output is inf/NaN; `stats` measures every site as well (then both samples always run)."""
     with in_dtype(model, torch.float16, arith) as half, ActivationCollector(half, stop_at_nonfinite=True) as first, \
             (ActivationCollector(half) if stats else nullcontext()) as measured:
-        runs = [partial(_fp16_forward, half, ids) for ids in samples[:2]]
-        if streamed_of(half) is not None:  # in step: the first sample's site if it has one, else the second's
-            in_step(half, runs)
-        else:
-            for run in runs:
-                run()
-                if first.first_nonfinite and not stats:
-                    break
+        # the first sample's site if it has one, else the second's (one after another, the second only if needed)
+        in_step(half, [partial(_fp16_forward, half, ids) for ids in samples[:2]],
+                until=lambda: bool(first.first_nonfinite) and not stats)
     shown = [prefix(s, FP16_CHECK_TOKENS) for s in samples[:2]]
     tokens = sum((s["input_ids"] if isinstance(s, dict) else s).numel() for s in shown)
     return Fp16Check(first.first_nonfinite, measured.sites if stats else None, tokens)

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..engine.streamed import value_blocks
 from ..families import GAIN1P
 from .formats import FP16_MAX
 from .groups import Group, TensorMove, select_parts
 from .plan_schema import MIN_EXPONENT  # below this a scale pushes ordinary weights into fp16 subnormals
-from .rewrite import _index, eps_exponent, scoped_eps_exponents, select_key, tensor_exponents
+from .rewrite import eps_exponent, scoped_eps_exponents, select_key, tensor_exponents
 from .stats import SiteStats
+from .weights import part_index, value_blocks
 
 FP16_MAX_BITS = math.log2(FP16_MAX)
 
@@ -30,8 +31,9 @@ class Constraint:
     powers: dict[str, float]
 
 
-def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, float]], groups: list[Group], params: dict[str, torch.Tensor]) -> list[Constraint]:
-    """Measured activations plus every moved weight (a weight must fit fp16 too)."""
+def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, float]], groups: list[Group], params: Mapping[str, torch.Tensor]) -> list[Constraint]:
+    """Measured activations plus every moved weight (a weight must fit fp16 too). `params`: each parameter's
+    current value by name (`weights_of(model).values()`, read a block of rows at a time where it offers that)."""
     powers_by_site: dict[str, dict[str, float]] = {}
     for group_name, sites_moved in governed.items():
         for site, p in sites_moved.items():
@@ -67,7 +69,7 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
         for key in parts:
             select = next(m.select for _, m in entries if select_key(m.select) == key)
             here = [(g, m) for g, m in entries if m.select is None or _overlap(m.select, select)]
-            out += _weight_constraint(f"weight:{name}[{_describe_select(select)}]", t[_index(t, select)], here)
+            out += _weight_constraint(f"weight:{name}[{_describe_select(select)}]", t[part_index(t, select)], here)
     return out
 
 

@@ -18,9 +18,9 @@ from collections import defaultdict
 import torch
 from transformers import PreTrainedModel
 
-from ..engine.forward import logits as forward_logits
 from ..errors import UnsupportedModelError
 from ..families import Family
+from .forward import logits as forward_logits
 from .groups import Group
 from .rewrite import trial
 from .sites import Site, block_of

@@ -1,11 +1,12 @@
-"""The one place that mutates weights: scale each group's tensors by 2**(exponent * power).
+"""The one rewrite: scale each group's tensors by 2**(exponent * power), and move the norm eps with them.
 
 Power-of-two multiplications are exact in any binary float format (barring overflow or subnormals), so
 applying exponents and then their negation restores `mul` tensors bit for bit. `(1+w)` gains are
 computed in float64 and rounded once to the parameter's dtype; `trial` puts their stored values back.
 
-A streamed model (`halfsafe.engine`) keeps its weights in the checkpoint: rescaling it changes the table its
-loads apply (`rescaled`), so the same calls work on a model of any size.
+Group exponents become one table per tensor here (`tensor_exponents`); the model's `Weights` (`core.weights`)
+apply it: an in-memory model's parameters change in place, a model that keeps its weights in the checkpoint
+(halfsafe.engine's streamed model) changes the table its loads apply, so the same calls work on a model of any size.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from contextlib import contextmanager
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..families import GAIN1P, MUL, Family
+from ..families import GAIN1P, Family
 from .groups import EpsHolders, Group, config_at, select_parts
 from .sites import within
+from .weights import weights_of
 
 
 def tensor_exponents(groups: list[Group], exponents: dict[str, int]) -> dict[str, list[tuple[str, int, object]]]:
@@ -52,63 +54,7 @@ def select_key(select) -> object:
     return parts[0] if len(parts) == 1 else parts
 
 
-
-
-def _index(t: torch.Tensor, select) -> tuple:
-    """An index for t[...] that takes the selected part: slices in every dim, at most one index list
-    (a fused expert tensor's part is its expert's slice times one slice or list of rows)."""
-    idx = [slice(None)] * t.dim()
-    for dim, index in select_parts(select):
-        idx[dim] = index
-    return tuple(idx)
-
-
-@torch.no_grad()
-def scale_tensor_(t: torch.Tensor, kind: str, exponent: int, select=None) -> None:
-    s = 2.0 ** exponent
-    if kind == MUL:
-        if select is None:
-            t.mul_(s)
-        else:
-            idx = _index(t, select)
-            t[idx] = t[idx] * s
-    elif kind == GAIN1P:
-        t.copy_(((1.0 + t.double()) * s - 1.0).to(t.dtype))
-    else:
-        raise ValueError(f"unknown move kind {kind!r}")
-
-
-@torch.no_grad()
-def rescaled(t: torch.Tensor, entries) -> torch.Tensor:
-    """`t` (owned by the caller) with every (kind, exponent, select) of `tensor_exponents` applied, in place."""
-    for kind, e, select in entries:
-        scale_tensor_(t, kind, e, select)
-    return t
-
-
-@torch.no_grad()
-def unrescaled(t: torch.Tensor, entries, saved: torch.Tensor | None = None) -> torch.Tensor:
-    """`t` as it was before `rescaled(t, entries)`, in place: `mul` parts by the inverse power of two (exact); a
-    `(1+w)` gain, which does not invert exactly, from `saved`, its value from before."""
-    for kind, e, select in entries:
-        if kind == MUL:
-            scale_tensor_(t, MUL, -e, select)
-        elif saved is None:
-            raise ValueError("a (1+w) gain cannot be unscaled exactly: pass the value it had before (saved)")
-    if saved is not None:
-        t.copy_(saved)
-    return t
-
-
-def check_finite(model: PreTrainedModel, names) -> None:
-    """After a rewrite: every rescaled weight still finite (a plan never overflows a weight; if it did, say so)."""
-    params = dict(model.named_parameters())
-    bad = [n for n in names if n in params and params[n].device.type != "meta" and not torch.isfinite(params[n]).all()]
-    if bad:
-        raise FloatingPointError(f"rescaling made {', '.join(bad[:3])} non-finite (please report this)")
-
-
-def _merge_tables(a: dict, b: dict) -> dict:
+def merge_tables(a: dict, b: dict) -> dict:
     """Two tensor_exponents tables applied one after the other, as one (entries that cancel are dropped)."""
     out: dict[str, dict] = defaultdict(dict)
     for table in (a, b):
@@ -146,38 +92,22 @@ def move_eps_(model: PreTrainedModel, family: Family, groups: list[Group], expon
 @torch.no_grad()
 def apply_exponents_(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]) -> None:
     """Rescale `model` in place by the given group exponents (missing groups: 0)."""
-    from ..engine.streamed import streamed_of
-
-    table = tensor_exponents(groups, exponents)
-    streamed = streamed_of(model)
-    if streamed is not None:
-        streamed.set_rescale(_merge_tables(streamed.rescale, table))
-    else:
-        params = dict(model.named_parameters())
-        for name, entries in table.items():
-            rescaled(params[name].data, entries)
-        check_finite(model, table)
+    weights_of(model).rescale_(tensor_exponents(groups, exponents))
     move_eps_(model, family, groups, exponents)
 
 
 @contextmanager
 def trial(model: PreTrainedModel, family: Family, groups: list[Group], exponents: dict[str, int]):
     """`with trial(model, family, groups, exps): ...` runs the block on the rescaled model, then undoes the rescale
-    bit for bit: power-of-two factors invert exactly, `(1+w)` gains are put back from a saved copy."""
-    from ..engine.streamed import streamed_of
-
-    params = dict(model.named_parameters())
-    saved = {} if streamed_of(model) is not None else {
-        name: params[name].detach().clone() for name, entries in tensor_exponents(groups, exponents).items()
-        if any(kind == GAIN1P for kind, _, _ in entries)}
+    bit for bit: power-of-two factors invert exactly, `(1+w)` gains are put back as they were (`Weights.snapshot`)."""
+    restore = weights_of(model).snapshot(name for name, entries in tensor_exponents(groups, exponents).items()
+                                         if any(kind == GAIN1P for kind, _, _ in entries))
     apply_exponents_(model, family, groups, exponents)
     try:
         yield model
     finally:
         apply_exponents_(model, family, groups, {k: -v for k, v in exponents.items()})
-        with torch.no_grad():
-            for name, t in saved.items():
-                params[name].data.copy_(t)
+        restore()
 
 
 def scale_eps_(model: PreTrainedModel, family: Family, where: tuple[EpsHolders, ...], exponent: int) -> None:

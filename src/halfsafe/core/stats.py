@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .lanes import lane
 from .sites import Hooks, Site, headroom_bits
 
 PERCENTILE = 99.9
@@ -194,7 +195,7 @@ class ActivationCollector(SiteCollector):
     columns: bool = False  # each site's `column_max` too
     sites: dict[str, SiteStats] = field(default_factory=dict)
     first_nonfinite: str | None = None
-    # per forward (engine.pipeline.lane(): None outside a pass), one [name, calls inside it, its own call] frame per
+    # per forward (core.lanes.lane(): None outside a pass), one [name, calls inside it, its own call] frame per
     # module now running, outermost first
     _stacks: dict = field(default_factory=dict)
     _order: dict = field(default_factory=dict)  # per forward, its sites in the order it first recorded them
@@ -202,8 +203,6 @@ class ActivationCollector(SiteCollector):
 
     @property
     def _running(self) -> list:
-        from ..engine.pipeline import lane
-
         return self._stacks.setdefault(lane(), [])
 
     def __enter__(self) -> "ActivationCollector":
@@ -226,8 +225,6 @@ class ActivationCollector(SiteCollector):
             self.sites = {s: self.sites[s] for s in order}
 
     def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
-        from ..engine.pipeline import lane
-
         if self.stop_at_nonfinite:
             if lane() not in self._nonfinite and Site.parse(site).kind == "out" and not torch.isfinite(t).all():
                 self._nonfinite[lane()] = site

@@ -38,18 +38,6 @@ def exact_fp16_reductions():
         matmul.allow_fp16_reduced_precision_reduction = saved
 
 
-@contextmanager
-def one_thread():
-    """torch on one thread for the duration: tiny ops (a shrunk model, tiny test models) only wait on each other
-    across threads on a busy CPU (6x slower measured with two)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def return_freed_memory() -> None:
     """Hand memory freed by Python and torch back to the system now (glibc keeps freed blocks for reuse: after
     dropping Gemma 3's tokenizer 0.15 GB of its 0.33 GB stayed resident until trimmed). A no-op elsewhere."""

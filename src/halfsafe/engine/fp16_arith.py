@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ..core.weights import compute_device
 from ..errors import HalfsafeError
 
 AUTO, EMULATED, NATIVE = "auto", "emulated", "native"
@@ -97,8 +98,6 @@ def resolve(asked: str | None, model) -> dict:
     """What the float16 trials of `model` use: {"asked", "used", "why"}. PyTorch's float16 kernels for a model type in
     NATIVE_ONLY (the emulation is not proven there) and on a GPU (float16 is its own speed); "auto" emulates only
     where PyTorch's float16 products are `SLOW`er than float32 ones."""
-    from .streamed import compute_device
-
     asked = check_arith(asked)
     if asked == NATIVE:
         return {"asked": asked, "used": NATIVE, "why": "asked for"}

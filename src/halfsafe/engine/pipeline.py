@@ -10,7 +10,7 @@ exactly what it computes alone, the same ops on the same tensors; only what happ
   - per-run torch state: grad mode and the dispatch and function modes a run enters for itself (verify's
     activation-bytes counter) are put aside when it waits and given back when it goes on;
   - state that hooks keep per forward (the activation collector's stack of running modules) is kept per run, by
-    `lane()`, the index of the run computing now.
+    `core.lanes.lane()`, the index of the run computing now.
 Runs that wait on different things (their paths through the model differ) are reported as a warning, and from there
 each finishes alone, one after another, loading its units as it would by itself: slower, never a wrong order.
 """
@@ -26,9 +26,11 @@ import torch
 from greenlet import greenlet
 from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
 
+from ..core.lanes import lane, set_lane
+from .streamed import streamed_of
+
 log = logging.getLogger(__name__)
 
-_lane: int | None = None
 _apart = False  # `apart()`: every in_step runs its runs one after another (the per-sample passes, for comparison)
 
 
@@ -41,11 +43,6 @@ def apart():
         yield
     finally:
         _apart = saved
-
-
-def lane() -> int | None:
-    """The index of the run computing now inside `in_step`, or None outside one."""
-    return _lane
 
 
 @dataclass
@@ -80,7 +77,7 @@ class Gate:
         waiting = self.inside.get(unit)
         if waiting is None:
             return False
-        waiting.discard(_lane)
+        waiting.discard(lane())
         if waiting:
             return True
         del self.inside[unit]
@@ -88,8 +85,6 @@ class Gate:
 
     # ----- the pass
     def run(self, runs: list[Callable], then: Callable | None) -> list:
-        from .streamed import stem_held
-
         n = len(runs)
         self._base = (torch.is_grad_enabled(), _len_torch_dispatch_stack(), torch._C._len_torch_function_stack())
         self._states = [_TorchState(self._base[0]) for _ in runs]
@@ -118,7 +113,7 @@ class Gate:
         lanes = [greenlet(lambda i=i: body(i), parent=self.parent) for i in range(n)]
         waits: dict[int, tuple] = {}
         self._started: set[int] = set()
-        with stem_held(self.streamed.model):
+        with self.streamed.held():
             try:
                 for i in range(n):
                     go(i, None)
@@ -155,9 +150,8 @@ class Gate:
         return True
 
     def _resume(self, lanes, i: int, value, waits: dict, done: list, throw: bool = False) -> None:
-        global _lane
         self._restore(i)
-        _lane = i
+        set_lane(i)
         try:
             if throw:
                 what = lanes[i].throw(_Stopped)
@@ -167,7 +161,7 @@ class Gate:
                 self._started.add(i)
                 what = lanes[i].switch()
         finally:
-            _lane = None
+            set_lane(None)
             self._put_aside(i)
         if lanes[i].dead:
             done[i] = True
@@ -202,14 +196,13 @@ def _describe(what: tuple) -> str:
     return what[1]
 
 
-def in_step(model, runs: list[Callable], then: Callable | None = None) -> list:
+def in_step(model, runs: list[Callable], then: Callable | None = None, until: Callable[[], bool] | None = None) -> list:
     """Each of `runs()` (zero-argument callables, each one forward of `model` and what is done with it), every unit of
     a streamed model read once for all of them (see the module docstring); their results in order. `then(i, result)`,
     if given, gets each result as soon as it and every one before it is ready (and the result is not kept): one
     sample's output at a time, in order. An in-memory model, a single run, or a pass inside a pass: one run after
-    another, as ever."""
-    from .streamed import streamed_of
-
+    another, as ever, and once `until()` (if given) holds after a run, the rest are not run (runs in step all run:
+    they cost one read of the model together)."""
     s = streamed_of(model)
     if s is None or len(runs) < 2 or s._gate is not None or _apart:
         out = []
@@ -219,6 +212,8 @@ def in_step(model, runs: list[Callable], then: Callable | None = None) -> list:
                 then(i, r)
                 r = None
             out.append(r)
+            if until is not None and until():
+                break
         return out
     s._gate = Gate(s, len(runs))
     try:

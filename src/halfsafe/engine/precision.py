@@ -1,17 +1,18 @@
-"""Copies of a model in another float dtype, without a full-size copy of the original on the way."""
+"""A model computing in another float dtype: a copy without a full-size copy of the original on the way, or a
+streamed model loading its units in that dtype."""
 
 from __future__ import annotations
 
 import copy
-import re
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-# Buffers transformers computes in float32 whatever dtype a model is loaded in (rotary frequencies): an fp16 trial
-# must keep them so, or it measures a model no user runs (tests/test_precision.py checks every tiny family).
-KEEP_FP32_BUFFERS = ("inv_freq",)
+from .device import exact_fp16_reductions
+from .fp16_arith import fp16_arith
+from .islands import KEEP_FP32_BUFFERS, strict_fp32_pattern
+from .streamed import streamed_of
 
 
 def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -37,41 +38,33 @@ def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return clone
 
 
-def strict_fp32_pattern(model: nn.Module):
-    """What transformers keeps in float32 under any load dtype (`_keep_in_fp32_modules_strict`: DeepSeek's router
-    weights and score bias), as one pattern over parameter names; None where the model names nothing."""
-    names = getattr(model, "_keep_in_fp32_modules_strict", None) or []
-    if not names:
-        return None
-    return re.compile("|".join(rf"(^|\.){re.escape(n)}($|\.)" for n in names))
-
-
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
 
 
 @contextmanager
-def in_dtype(model: nn.Module, dtype: torch.dtype, arith: str = "native"):
-    """`with in_dtype(model, torch.float16) as half: half(...)`: the model computing in `dtype` as
+def as_dtype(model: nn.Module, dtype: torch.dtype):
+    """`with as_dtype(model, torch.bfloat16) as m: m(...)`: the model computing in `dtype` as
     `from_pretrained(..., dtype=dtype)` would, for the duration. An in-memory model gets a `cast_copy` (freed
-    after); a streamed one (halfsafe.engine) loads its units in `dtype` and is restored after. `arith`: how its
-    float16 ops compute (halfsafe.engine.fp16_arith: "emulated" runs the matrix products as float32 kernels)."""
-    from .device import exact_fp16_reductions
-    from .fp16_arith import fp16_arith
-    from .streamed import streamed_of
-
+    after); a streamed one loads its units in `dtype` and is restored after, also when the block fails."""
     streamed = streamed_of(model)
     if streamed is None:
         half = cast_copy(model, dtype)
         try:
-            with exact_fp16_reductions(), fp16_arith(arith):
-                yield half
+            yield half
         finally:
             del half
         return
     saved = streamed.set_dtype(dtype)
     try:
-        with exact_fp16_reductions(), fp16_arith(arith):
-            yield model
+        yield model
     finally:
         streamed.restore_dtype(saved)
+
+
+@contextmanager
+def in_dtype(model: nn.Module, dtype: torch.dtype, arith: str = "native"):
+    """`as_dtype` for a float16 trial: reductions kept in float32 (`device.exact_fp16_reductions`) and `arith`, how its
+    float16 ops compute (halfsafe.engine.fp16_arith: "emulated" runs the matrix products as float32 kernels)."""
+    with as_dtype(model, dtype) as half, exact_fp16_reductions(), fp16_arith(arith):
+        yield half

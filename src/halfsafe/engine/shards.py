@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,12 +20,40 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import HalfsafeError
 from ..io.trust import inside
-from ..io.validate import check_mappable
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 READ_BYTES = 32 << 20  # a tensor larger than this (as stored) is read in blocks of rows this size
+
+
+def mappable_bytes() -> int | None:
+    """The largest file safetensors can map here (it maps a shard private and writable, which the kernel counts
+    against memory), or None when there is no limit: the address-space limit, and the overcommit policy's
+    (heuristic: RAM plus swap for one mapping; strict: what the commit limit leaves)."""
+    limits = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft)
+    try:
+        mode = int(Path("/proc/sys/vm/overcommit_memory").read_text())
+        info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+                if k in ("MemTotal", "SwapTotal", "CommitLimit", "Committed_AS")}
+    except (OSError, ValueError):
+        return min(limits, default=None)
+    if mode == 0:
+        limits.append(info["MemTotal"] + info["SwapTotal"])
+    elif mode == 2:
+        limits.append(info["CommitLimit"] - info["Committed_AS"])
+    return min(limits, default=None)
+
+
+def check_mappable(path: Path) -> None:
+    size = os.stat(path).st_size
+    limit = mappable_bytes()
+    if limit is not None and size > limit:
+        raise HalfsafeError(f"{path} is {size / 1e9:.1f} GB, more than this machine can map ({limit / 1e9:.1f} GB of memory): "
+                            "re-save the checkpoint in smaller shards (save_pretrained(max_shard_size=...)) or add memory or swap")
 
 
 class Shards:

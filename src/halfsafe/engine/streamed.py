@@ -8,8 +8,9 @@ forward then runs unchanged, for every architecture, holding one unit's weights 
 allows to stay) and the activations of one sample. Several samples can pass each unit together, so that it is read
 once for all of them (`engine.pipeline.in_step`: the calibration scan, verify's forward passes).
 
-A rescale (`halfsafe.core.rewrite`) changes what the next load computes, never the stored tensors: `(1+w)` gains are
-computed afresh from the stored values each time, so trying and undoing a plan leaves nothing behind.
+The Streamed is the model's `core.weights.Weights` (`attach` holds it there): a rescale (`halfsafe.core.rewrite`)
+changes what the next load computes, never the stored tensors: `(1+w)` gains are computed afresh from the stored
+values each time, so trying and undoing a plan leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import re
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..core.rewrite import merge_tables
 from ..core.sites import Hooks, find_blocks
+from ..core.weights import WEIGHTS_ATTR, hold, rescaled
 from ..errors import HalfsafeError
-from .precision import KEEP_FP32_BUFFERS, strict_fp32_pattern
+from .islands import KEEP_FP32_BUFFERS, strict_fp32_pattern
 from .shards import Shards, row_spans, rows_per_read
 from .wide import WideWeight
 
-STREAMED_ATTR = "_halfsafe_streamed"
 WIDE_BYTES = 128 << 20
 
 
@@ -98,8 +101,6 @@ class Streamed:
         """`read(dtype)` (stored values) rescaled and cast as the model computes with them. Rescaled in float32;
         otherwise read straight into the compute dtype: the same single rounding, without a float32 copy on the way."""
         from torch.utils._python_dispatch import _disable_current_modes
-
-        from ..core.rewrite import rescaled
 
         entries = self.rescale.get(name, ())
         dtype = self._dtype_of(name)
@@ -172,6 +173,27 @@ class Streamed:
         self.rescale = {k: list(v) for k, v in table.items() if v}
         self._cache.clear()
 
+    # ----- the Weights core reads and changes (core.weights)
+    def values(self) -> "_Weights":
+        """Each parameter's current value, read from the shards on access (a block of rows at a time by `blocks`)."""
+        return _Weights(self)
+
+    def rescale_(self, table: dict[str, list]) -> None:
+        self.set_rescale(merge_tables(self.rescale, table))
+
+    def snapshot(self, names) -> "Callable[[], None]":
+        """Nothing to keep: the stored values never change, and a rescale and its inverse cancel in the table."""
+        return lambda: None
+
+    @contextmanager
+    def held(self):
+        """The stem stays loaded across several forwards (see `attach`)."""
+        self._enter_model()
+        try:
+            yield
+        finally:
+            self._exit_model()
+
     def _require_idle(self) -> None:
         if self._loaded:
             raise RuntimeError(f"cannot change a streamed model's weights while {sorted(self._loaded)[0]} is loaded")
@@ -230,7 +252,7 @@ class Streamed:
             module = self.model.get_submodule(unit)
             self._handles.add_pre(module, lambda m, a, u=unit: self._onload(u))
             self._handles.add_post(module, lambda m, a, o, u=unit: self._offload(u), always_call=True)
-        setattr(self.model, STREAMED_ATTR, self)
+        hold(self.model, self)
         return self
 
     def detach(self) -> None:
@@ -243,16 +265,8 @@ def _held_bytes(t: torch.Tensor) -> int:
 
 def streamed_of(model: nn.Module) -> Streamed | None:
     """The Streamed behind `model`, or None for an ordinary model whose weights are all in memory."""
-    return getattr(model, STREAMED_ATTR, None)
-
-
-def compute_device(model: nn.Module) -> torch.device:
-    """Where `model` computes: a streamed model's device (its parameters rest on meta), else its parameters'."""
-    s = streamed_of(model)
-    if s is not None:
-        return s.device
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+    held = getattr(model, WEIGHTS_ATTR, None)
+    return held if isinstance(held, Streamed) else None
 
 
 def untie_stored_apart(model: PreTrainedModel, shards: Shards) -> list[str]:
@@ -397,8 +411,6 @@ class _Weights(dict):
         self._s = streamed
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from ..core.rewrite import rescaled
-
         return rescaled(self._s.original(name), self._s.rescale.get(name, ()))
 
     def __contains__(self, name: object) -> bool:
@@ -406,8 +418,6 @@ class _Weights(dict):
 
     def blocks(self, name: str):
         """The same value a block of rows at a time (a 262k-token embedding is 0.7 GB in float32)."""
-        from ..core.rewrite import rescaled
-
         key = self._s.key_of[name]
         shape = self._s.shards.shape(key)
         if len(shape) < 2 or not self._s.rescaled_alike(name):
@@ -415,36 +425,6 @@ class _Weights(dict):
             return
         for a, b in row_spans(shape[0], rows_per_read(shape, 4)):  # float32
             yield rescaled(self._s.shards.load_rows(key, a, b, torch.float32), self._s.rescale.get(name, ()))
-
-
-def value_blocks(values, name: str):
-    """Parameter `name` of `weights(model)` in blocks of whole rows: the tensor itself for an in-memory model."""
-    if isinstance(values, _Weights):
-        yield from values.blocks(name)
-    else:
-        yield values[name]
-
-
-def weights(model: nn.Module):
-    """Each parameter's current value by name: the parameters themselves for an in-memory model, values read on
-    access for a streamed one."""
-    s = streamed_of(model)
-    return dict(model.named_parameters()) if s is None else _Weights(s)
-
-
-@contextmanager
-def stem_held(model: nn.Module):
-    """Keep a streamed model's stem (embeddings, head) loaded across several calls, e.g. a head run on chunks of
-    positions after the body; a no-op for an in-memory model."""
-    s = streamed_of(model)
-    if s is None:
-        yield
-        return
-    s._enter_model()
-    try:
-        yield
-    finally:
-        s._exit_model()
 
 
 @contextmanager

@@ -1,6 +1,6 @@
-"""Write a streamed model as an fp16 checkpoint, one tensor at a time.
+"""Write a model's weights and config as an fp16 checkpoint (`save_fp16`); a streamed model one tensor at a time.
 
-Every tensor is read once from its source shard, rescaled by the current table, cast to float16 and written
+Every tensor of a streamed model is read once from its source shard, rescaled by the current table, cast to float16 and written
 straight into its place in the output shard, so memory holds one tensor, whatever the model's size. The files are
 laid out as `safetensors.save_file` lays them out (header order, alignment, padding), sharded as transformers
 shards (`huggingface_hub.split_torch_state_dict_into_shards`, with an index), with tied weights stored once.
@@ -19,8 +19,9 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from ..errors import HalfsafeError
 from ..progress import phase
+from .precision import cast_copy
 from .shards import row_spans
-from .streamed import Streamed, saved_name
+from .streamed import Streamed, saved_name, streamed_of
 
 # the shard size the hub's own serializer defaults to (huggingface_hub.serialization's MAX_SHARD_SIZE, "5GB");
 # transformers 5's save_pretrained and push_to_hub default to 50GB per file, more than the hub and most tools expect.
@@ -30,6 +31,33 @@ _NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # safetensors orders a file's tensors by dtype (its enum, largest first), then by name
 _ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"]
+
+
+def save_fp16(model, folder: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False) -> None:
+    """`model` as float16 weights and its configs in `folder` (the model is left as it is): a streamed model tensor by
+    tensor from its shards, an in-memory one by `save_pretrained` of a float16 copy. A non-finite weight is refused."""
+    streamed = streamed_of(model)
+    if streamed is None:
+        with phase("write", quiet=not progress):
+            half = cast_copy(model, torch.float16)
+            _refuse_nonfinite([n for n, p in half.named_parameters() if not torch.isfinite(p).all()])
+            half.save_pretrained(folder, max_shard_size=max_shard_size)
+            del half
+        return
+    _refuse_nonfinite(write_weights(streamed, folder, max_shard_size, progress))
+    dtype, architectures = model.config.dtype, model.config.architectures
+    model.config.dtype, model.config.architectures = "float16", [type(model).__name__]  # as save_pretrained records them
+    try:
+        model.config.save_pretrained(folder)
+        if model.can_generate():
+            model.generation_config.save_pretrained(folder)
+    finally:
+        model.config.dtype, model.config.architectures = dtype, architectures
+
+
+def _refuse_nonfinite(bad: list[str]) -> None:
+    if bad:
+        raise HalfsafeError(f"refusing to save: non-finite weights in {', '.join(bad[:3])} (please report this)")
 
 
 def output_tensors(streamed: Streamed, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:

@@ -148,7 +148,8 @@ def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
 def load_exportable_fp16(folder: Path, check, model_class=None):
     """The checkpoint in `folder`, all-fp16 (no module kept in fp32), eval mode, once `check(config)` accepts it:
     the one loader of the three exports. `model_class` None: the class the config names."""
-    from ..io.loading import model_class_for, quiet_transformers, read_config
+    from ..io.loading import model_class_for, read_config
+    from ..io.trust import quiet_transformers
     from ..runtime.fp16 import load_pure_fp16
 
     config = read_config(folder)
@@ -278,7 +279,8 @@ def run_exporter(module, inputs: dict, shapes: dict, what: str, context=None):
 
     from transformers.exporters import OnnxConfig, OnnxExporter
 
-    from ..io.loading import _first_line, quiet_transformers
+    from ..io.loading import _first_line
+    from ..io.trust import quiet_transformers
 
     config = OnnxConfig(dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True)
     try:
@@ -367,8 +369,8 @@ def _mark_tokenizer(folder: Path) -> None:
         return
     from transformers import AutoTokenizer
 
-    from ..io.loading import _first_line, quiet_transformers
-    from ..io.trust import from_pretrained
+    from ..io.loading import _first_line
+    from ..io.trust import from_pretrained, quiet_transformers
 
     try:
         with quiet_transformers():

@@ -125,9 +125,9 @@ def calibration_ids(folder, vocab_size: int, seq_len: int = 64, max_samples: int
     from pathlib import Path
 
     from ..calibration import make_samples, read_texts
-    from ..io.loading import _load_tokenizer
+    from ..io.reading import load_tokenizer
 
-    tokenizer = _load_tokenizer(Path(folder))  # None without tokenizer files: the text's bytes as ids
+    tokenizer = load_tokenizer(Path(folder))  # None without tokenizer files: the text's bytes as ids
     return make_samples(read_texts(None), tokenizer, vocab_size, seq_len, max_samples)
 
 

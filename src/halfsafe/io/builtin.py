@@ -35,13 +35,14 @@ def gemma3_270m_folder() -> Path:
         ) from None
     from rich.console import Console
 
+    from ..engine.device import resolve_device
     from .checkpoint import atomic_folder
-    from .loading import load_model
+    from .reading import load_gguf
 
     console = Console(stderr=True)
     with console.status("Building the Gemma 3 270M fixture (once): assembling and dequantizing the GGUF ..."):
         gguf_path = chunks.assemble(cache_dir() / "gguf" / chunks.MODEL_NAME)
-        loaded = load_model(gguf_path, dtype=torch.float32)
+        loaded = load_gguf(Path(gguf_path).expanduser(), torch.float32, str(gguf_path), resolve_device("auto"))
         with atomic_folder(folder) as tmp:
             # The model was pretrained in bf16; the Q4_K_M dequantization is the reference we store.
             loaded.model.to(torch.bfloat16).save_pretrained(tmp)

@@ -24,11 +24,8 @@ from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
 from .._version import __version__
-from ..engine.precision import cast_copy
-from ..engine.streamed import streamed_of
-from ..engine.write import DEFAULT_MAX_SHARD_SIZE, write_weights
+from ..engine.write import DEFAULT_MAX_SHARD_SIZE, save_fp16
 from ..errors import HalfsafeError
-from ..progress import phase
 
 log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
@@ -241,12 +238,6 @@ def output_bytes(model: PreTrainedModel) -> int:
     return 2 * sum(seen.values()) + (64 << 20)
 
 
-def _check_weights(model: PreTrainedModel) -> None:
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        raise HalfsafeError(f"refusing to save: non-finite weights in {', '.join(bad[:3])} (please report this)")
-
-
 def save_fp16_checkpoint(
     model: PreTrainedModel, tokenizer, out: str | Path, info: dict | Callable[[], dict], source_folder: Path | None = None, overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False,
@@ -256,34 +247,13 @@ def save_fp16_checkpoint(
     out = check_out_dir(out, overwrite, output_bytes(model), inputs=[source_folder])
     try:
         with atomic_folder(out, replace=overwrite) as tmp:
-            if streamed_of(model) is not None:
-                _write_streamed(model, tmp, max_shard_size, progress)
-            else:
-                with phase("write", quiet=not progress):
-                    half = cast_copy(model, torch.float16)
-                    _check_weights(half)
-                    half.save_pretrained(tmp, max_shard_size=max_shard_size)
-                    del half
+            save_fp16(model, tmp, max_shard_size, progress)
             _write_extras(tokenizer, tmp, info() if callable(info) else info, source_folder)  # a callable: made now, after the weights
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "
                             "another output folder") from None
     return out
-
-
-def _write_streamed(model: PreTrainedModel, tmp: Path, max_shard_size, progress: bool) -> None:
-    bad = write_weights(streamed_of(model), tmp, max_shard_size, progress)
-    if bad:
-        raise HalfsafeError(f"refusing to save: non-finite weights in {', '.join(bad[:3])} (please report this)")
-    dtype, architectures = model.config.dtype, model.config.architectures
-    model.config.dtype, model.config.architectures = "float16", [type(model).__name__]  # as save_pretrained records them
-    try:
-        model.config.save_pretrained(tmp)
-        if model.can_generate():
-            model.generation_config.save_pretrained(tmp)
-    finally:
-        model.config.dtype, model.config.architectures = dtype, architectures
 
 
 def _write_extras(tokenizer, tmp: Path, info: dict, source_folder: Path | None) -> None:

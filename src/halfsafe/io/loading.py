@@ -10,45 +10,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from ..errors import HalfsafeError, UnsupportedModelError
-from .trust import check_folder, from_pretrained, inside
+from .reading import LoadedModel, _first_line, load_gguf, load_tokenizer, model_class_for
+from .trust import check_folder, from_pretrained, inside, quiet_transformers
 
 FIXTURE_NAMES = ("gemma3-270m",)
-_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageTextToText",
-                 "AutoModel")
-
-
-@dataclass
-class LoadedModel:
-    model: PreTrainedModel
-    tokenizer: object | None  # None: the checkpoint ships no tokenizer; text is fed as byte ids
-    source: str  # what the user named
-    folder: Path | None  # a Hugging Face folder holding config (and tokenizer) files, if any
-
-    def set_tokenizer_aside(self):
-        """Drop the tokenizer until it is needed again (to save it beside the converted weights): Gemma 3's
-        262k-entry tokenizer holds 0.33 GB, a third of what converting the model needs. Returns what gives it
-        back: the tokenizer reloaded from the folder (or the same object, where there is no folder to reload from)."""
-        from ..engine.device import return_freed_memory
-
-        if self.folder is None or self.tokenizer is None:
-            kept = self.tokenizer
-            return lambda: kept
-        folder, self.tokenizer = self.folder, None
-        return_freed_memory()
-
-        def reload():
-            return_freed_memory()  # what the work in between freed, before the tokenizer's load peak
-            return _load_tokenizer(folder)
-
-        return reload
 
 
 def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, stream: bool = False,
@@ -66,7 +38,7 @@ def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, st
         return _load_folder(gemma3_270m_folder(), dtype, source, stream, device)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, source, device)
+        return load_gguf(path, dtype, source, device)
     if path.is_file():
         raise HalfsafeError(f"{source} is a file, not a model: give the model's folder (with config.json) or a .gguf file")
     if path.is_dir():
@@ -114,19 +86,6 @@ def read_config(folder: Path) -> PretrainedConfig:
         raise HalfsafeError(f"could not read {config_file}: {_first_line(e)}") from None
 
 
-def model_class_for(config: PretrainedConfig):
-    """The transformers class named in the config's `architectures`, else the first auto class that fits."""
-    for name in config.architectures or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    for auto_name in _AUTO_CLASSES:
-        auto = getattr(transformers, auto_name)
-        if type(config) in auto._model_mapping:
-            return auto._model_mapping[type(config)]
-    raise UnsupportedModelError(f"transformers has no model class for model_type {config.model_type!r}")
-
-
 def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu") -> LoadedModel:
     from ..engine.shards import Shards
     from .validate import check_config, check_finite
@@ -137,9 +96,9 @@ def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = F
     check_config(config, cls, shards, folder)  # before anything is built from it
     check_finite(shards, folder)
     if stream:
-        streamed = _try_stream(folder, config, cls, shards, device)
+        streamed = load_streamed(folder, config, device, cls=cls, shards=shards)
         if streamed is not None:
-            return LoadedModel(streamed, _load_tokenizer(folder), source, folder)
+            return LoadedModel(streamed, load_tokenizer(folder), source, folder)
     try:
         with quiet_transformers():
             model = from_pretrained(cls, folder, dtype=dtype, local_files_only=True)
@@ -148,57 +107,33 @@ def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = F
             f"could not load the weights in {folder} ({_first_line(e)}): the checkpoint looks corrupt; re-download or re-save it"
         ) from None
     model.eval()
-    return LoadedModel(model.to(device) if device != "cpu" else model, _load_tokenizer(folder), source, folder)
+    return LoadedModel(model.to(device) if device != "cpu" else model, load_tokenizer(folder), source, folder)
 
 
-def _try_stream(folder: Path, config: PretrainedConfig, cls, shards, device: str) -> PreTrainedModel | None:
-    """The streamed model, or None (logged) when transformers must convert the checkpoint's tensors on load."""
+def load_streamed(folder: Path, config: PretrainedConfig, device: "str | torch.device", dtype: torch.dtype = torch.float32,
+                  cls=None, shards=None) -> PreTrainedModel | None:
+    """The folder's model with its weights left in the shards, each block loaded as it runs (halfsafe.engine),
+    computing in `dtype` for its life; or None (logged) where transformers must convert the checkpoint's tensors on
+    load. `cls` and `shards`: the model class and the folder's `Shards`, where the caller has them already."""
     from transformers import GenerationConfig
 
+    from ..engine.shards import Shards
     from ..engine.streamed import build
 
+    # a folder without safetensors weights, or a config no class fits, is refused here, not logged and loaded whole
+    cls = cls if cls is not None else model_class_for(config)
+    shards = shards if shards is not None else Shards(folder)
     try:
         with quiet_transformers():
-            streamed = build(config, cls, shards, device)
+            streamed = build(config, cls, shards, str(device))
     except HalfsafeError as e:
         logging.getLogger(__name__).warning("%s; loading the whole model instead", e)
         return None
     if (folder / "generation_config.json").is_file():
         streamed.model.generation_config = from_pretrained(GenerationConfig, folder, local_files_only=True)
+    if dtype != torch.float32:
+        streamed.set_dtype(dtype)
     return streamed.model
-
-
-def _load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu") -> LoadedModel:
-    try:
-        with quiet_transformers():
-            config = from_pretrained(AutoConfig, path.parent, gguf_file=path.name)
-            model = from_pretrained(model_class_for(config), path.parent, gguf_file=path.name, dtype=dtype)
-    except ImportError as e:
-        raise HalfsafeError(f"reading GGUF needs the gguf package: pip install gguf ({_first_line(e)})") from None
-    except Exception as e:
-        raise HalfsafeError(f"could not read the GGUF file {path} ({_first_line(e)}): check that it is complete") from None
-    _forget_gguf_quantization(model)
-    model.eval()
-    from .validate import check_finite_parameters
-
-    check_finite_parameters(model, source)
-    try:
-        tokenizer = from_pretrained(AutoTokenizer, path.parent, gguf_file=path.name)
-    except Exception:
-        tokenizer = None
-    return LoadedModel(model.to(device) if device != "cpu" else model, tokenizer, source, None)
-
-
-def _forget_gguf_quantization(model: PreTrainedModel) -> None:
-    """GGUF weights arrive dequantized; drop the marker so the model saves as an ordinary checkpoint."""
-    if hasattr(model.config, "quantization_config"):
-        delattr(model.config, "quantization_config")
-    model.hf_quantizer = None
-    if hasattr(model, "is_quantized"):
-        try:
-            model.is_quantized = False
-        except AttributeError:
-            pass
 
 
 def _load_cached_hub_id(repo_id: str, dtype: torch.dtype, stream: bool = False, device: str = "cpu") -> LoadedModel:
@@ -214,37 +149,6 @@ def _load_cached_hub_id(repo_id: str, dtype: torch.dtype, stream: bool = False, 
     return _load_folder(folder, dtype, repo_id, stream, device)  # a cached hub snapshot, as a folder
 
 
-def _load_tokenizer(folder: Path):
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")):
-        return None
-    try:
-        with quiet_transformers():
-            return from_pretrained(AutoTokenizer, folder, local_files_only=True)
-    except Exception:
-        logging.getLogger(__name__).warning("could not load the tokenizer in %s; feeding text as byte ids", folder)
-        return None
-
-
 def _looks_like_hub_id(source: str) -> bool:
     parts = source.split("/")
     return len(parts) == 2 and all(parts) and not source.startswith((".", "/", "~"))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
-
-
-class quiet_transformers:
-    """Silence transformers' load-time chatter (progress bars, tie warnings) for the duration."""
-
-    def __enter__(self):
-        self._level = transformers.logging.get_verbosity()
-        transformers.logging.set_verbosity_error()
-        self._bars = transformers.utils.logging.is_progress_bar_enabled()
-        transformers.utils.logging.disable_progress_bar()
-
-    def __exit__(self, *exc):
-        transformers.logging.set_verbosity(self._level)
-        if self._bars:
-            transformers.utils.logging.enable_progress_bar()

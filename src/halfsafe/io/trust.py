@@ -82,3 +82,22 @@ def from_pretrained(cls, path, **kwargs):
     if not (isinstance(cls, type) and issubclass(cls, GenerationConfig)):
         kwargs["trust_remote_code"] = False
     return cls.from_pretrained(path, **kwargs)
+
+
+class quiet_transformers:
+    """Silence transformers' load-time chatter (progress bars, tie warnings) for the duration."""
+
+    def __enter__(self):
+        import transformers
+
+        self._level = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        self._bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        import transformers
+
+        transformers.logging.set_verbosity(self._level)
+        if self._bars:
+            transformers.utils.logging.enable_progress_bar()

@@ -1,50 +1,21 @@
-"""Input checks that run before the slow part: shards this machine can map, a config whose sizes agree with the
-weights' headers (checked before anything is built from it), and weights that are all finite. Each refusal is one
-line naming the file and the fix."""
+"""Input checks that run before the slow part: a config whose sizes agree with the weights' headers (checked before
+anything is built from it), and weights that are all finite (shards this machine cannot map are refused as they are
+opened: engine.shards). Each refusal is one line naming the file and the fix."""
 
 from __future__ import annotations
 
 import math
-import os
 import re
-import resource
 from pathlib import Path
 
 import torch
 
+from ..engine.shards import READ_BYTES, row_spans, rows_per_read
 from ..errors import HalfsafeError
+from .trust import quiet_transformers
 
 CONFIG_SLACK = 2.0  # a model may hold this many times the elements its checkpoint stores (an untied head left out)
 _LAYER_INDEX = re.compile(r"\.(\d+)(?=\.)")
-
-
-def mappable_bytes() -> int | None:
-    """The largest file safetensors can map here (it maps a shard private and writable, which the kernel counts
-    against memory), or None when there is no limit: the address-space limit, and the overcommit policy's
-    (heuristic: RAM plus swap for one mapping; strict: what the commit limit leaves)."""
-    limits = []
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        limits.append(soft)
-    try:
-        mode = int(Path("/proc/sys/vm/overcommit_memory").read_text())
-        info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-                if k in ("MemTotal", "SwapTotal", "CommitLimit", "Committed_AS")}
-    except (OSError, ValueError):
-        return min(limits, default=None)
-    if mode == 0:
-        limits.append(info["MemTotal"] + info["SwapTotal"])
-    elif mode == 2:
-        limits.append(info["CommitLimit"] - info["Committed_AS"])
-    return min(limits, default=None)
-
-
-def check_mappable(path: Path) -> None:
-    size = os.stat(path).st_size
-    limit = mappable_bytes()
-    if limit is not None and size > limit:
-        raise HalfsafeError(f"{path} is {size / 1e9:.1f} GB, more than this machine can map ({limit / 1e9:.1f} GB of memory): "
-                            "re-save the checkpoint in smaller shards (save_pretrained(max_shard_size=...)) or add memory or swap")
 
 
 def check_config(config, cls, shards, folder: Path) -> None:
@@ -79,8 +50,6 @@ def check_config(config, cls, shards, folder: Path) -> None:
 def _meta_skeleton(config, cls):
     from accelerate import init_empty_weights
 
-    from .loading import quiet_transformers
-
     try:
         with quiet_transformers(), init_empty_weights(include_buffers=False):
             return cls._from_config(config, dtype=torch.float32)
@@ -97,8 +66,6 @@ def check_finite(shards, folder: Path) -> None:
     """Every floating weight finite. Read in place from the mapped file (no copy), a tensor or a block of rows of a
     large one per opening, so no more than one block's pages are ever mapped."""
     from safetensors import safe_open
-
-    from ..engine.shards import READ_BYTES, row_spans, rows_per_read
 
     for key in shards.keys():
         dtype, shape = shards.dtype(key), shards.shape(key)

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from ..core import arith16
+from ..core.forward import logits as forward_logits
 from ..core.metrics import mean_kl, top1_agreement
 from ..core.plan import FP16_MAX_BITS, Constraint, predicted_log2, solve
 from ..core.rewrite import eps_exponent, trial
 from ..core.sites import Site
-from ..engine.forward import logits as forward_logits
 from ..engine.precision import in_dtype
 from ..errors import HalfsafeError
 from .emulate import emulate_runtime, is_rms_norm

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from ..core.groups import Group, expand
-from ..core.rewrite import apply_exponents_, move_eps_, rescaled, select_key, tensor_exponents, unrescaled
+from ..core.rewrite import apply_exponents_, move_eps_, select_key, tensor_exponents
+from ..core.weights import rescaled, unrescaled
 from ..families import GAIN1P, MUL, Family, family_for
 
 

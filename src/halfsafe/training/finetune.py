@@ -48,9 +48,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 
 from ..core.formats import FP16_MAX
+from ..core.forward import model_inputs
 from ..core.sites import Site, block_of, find_blocks, within
 from ..core.stats import SiteCollector
-from ..engine.forward import model_inputs
 from ..errors import HalfsafeError
 from ..scan import check_fp16, collect
 

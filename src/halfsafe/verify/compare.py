@@ -21,9 +21,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..core.sites import find_blocks
+from ..core.weights import compute_device
 from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
-from ..engine.precision import cast_copy
-from ..engine.streamed import compute_device, streamed_of
+from ..engine.precision import as_dtype, cast_copy
 from ..errors import HalfsafeError
 from ..progress import phase, recorded
 from .converted import check_converted, load_converted
@@ -174,19 +174,8 @@ def _built(original: PreTrainedModel, converted, from_converted: bool, dtype: to
     its units in `dtype`, restored after; an in-memory one is cast_copy'd, freed after), or the converted checkpoint
     (a folder in float16, streamed when `stream`; a model object cast to `dtype` unless it is in it already)."""
     if not from_converted:
-        s = streamed_of(original)
-        if s is None:
-            half = cast_copy(original, dtype).eval()
-            try:
-                yield half
-            finally:
-                del half
-            return
-        saved = s.set_dtype(dtype)
-        try:
-            yield original
-        finally:
-            s.restore_dtype(saved)
+        with as_dtype(original, dtype) as built:
+            yield built if built is original else built.eval()  # a copy runs in eval mode, whatever the original's
         return
     progress("loading the converted checkpoint")
     if isinstance(converted, nn.Module):

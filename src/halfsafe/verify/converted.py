@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..core.weights import compute_device
 from ..errors import HalfsafeError
-from ..io.loading import model_class_for, quiet_transformers, read_config
+from ..io.loading import load_streamed, model_class_for, read_config
+from ..io.trust import quiet_transformers
 from ..runtime.fp16 import load_pure_fp16
 
 
@@ -31,8 +33,6 @@ def load_converted(converted: str | Path, original: PreTrainedModel, stream: boo
     """The converted checkpoint in float16, every module float16 (transformers' fp32 islands turned off).
     `stream`: a block-by-block model (halfsafe.engine) loading its units in float16, where the checkpoint's layout
     allows; else (and when it does not) the whole model."""
-    from ..engine.streamed import compute_device
-
     folder = Path(converted).expanduser()
     config = check_converted(converted, original)
     device = compute_device(original) if device is None else torch.device(device)
@@ -52,14 +52,7 @@ def load_converted(converted: str | Path, original: PreTrainedModel, stream: boo
 def _streamed_fp16(folder: Path, config: PretrainedConfig, device: torch.device) -> PreTrainedModel | None:
     """The converted folder as a streamed float16 model (as load_pure_fp16 computes: no module kept in float32
     but what transformers keeps so under every dtype), or None where it must be loaded whole."""
-    from ..engine.shards import Shards
-    from ..engine.streamed import streamed_of
-    from ..io.loading import _try_stream
-
-    model = _try_stream(folder, config, model_class_for(config), Shards(folder), str(device))
-    if model is not None:
-        streamed_of(model).set_dtype(torch.float16)  # for this model's life: it is made for the fp16 variants
-    return model
+    return load_streamed(folder, config, device, torch.float16)  # for this model's life: it is made for the fp16 variants
 
 
 def _check_parameters(model: PreTrainedModel, original: PreTrainedModel, converted) -> None:

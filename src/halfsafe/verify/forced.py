@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
-from ..engine.forward import is_encoder_decoder
-from ..engine.streamed import compute_device
+from ..core.forward import is_encoder_decoder
+from ..core.weights import compute_device
 
 
 @contextmanager

@@ -18,11 +18,12 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..engine.forward import is_encoder_decoder
-from ..engine.forward import logits as forward_logits
+from ..core.forward import is_encoder_decoder
+from ..core.forward import logits as forward_logits
+from ..core.weights import compute_device, weights_of
 from ..engine.pipeline import in_step
 from ..engine.reads import Reads
-from ..engine.streamed import compute_device
+from ..engine.streamed import resident
 from ..progress import phase
 from .accumulator import Accumulator, matched_prefix
 from .block_peaks import BlockPeaks
@@ -77,9 +78,7 @@ def generate(model: PreTrainedModel, prompt: torch.Tensor, n: int, cache_bytes: 
              logits: list | None = None, processors: list | None = None) -> torch.Tensor:
     """`greedy`'s whole generated sequence [1, start + n] (the prompt, or an encoder-decoder's start token, then the
     tokens), on the CPU; `processors`, given a list, receives the logits processors generate used (halfsafe.verify.forced)."""
-    from ..engine.streamed import resident, stem_held
-
-    with stem_held(model), resident(model, cache_bytes), capturing_processors(model, processors if processors is not None else []):
+    with weights_of(model).held(), resident(model, cache_bytes), capturing_processors(model, processors if processors is not None else []):
         return _greedy(model, prompt, n, use_cache, logits)
 
 

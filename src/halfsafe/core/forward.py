@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import torch
 from transformers import PreTrainedModel
 
+from .weights import compute_device, weights_of
+
 HEAD_CHUNK = 64  # positions per lm_head call when the head is run apart from the body
 
 
@@ -31,7 +33,7 @@ def gradient_image(size: int, channels: int = 3) -> torch.Tensor:
     return torch.stack([ramps[c % 3] for c in range(channels)])[None]
 
 
-def image_prompt(model: PreTrainedModel) -> tuple[list[int], list[int], torch.Tensor] | None:
+def image_prompt(model: PreTrainedModel) -> tuple[list, list[int], torch.Tensor] | None:
     """(ids, token types, pixel_values) of the synthetic image for an image-text model; None for other models."""
     config = model.config
     vision, n = getattr(config, "vision_config", None), getattr(config, "mm_tokens_per_image", None)
@@ -56,8 +58,6 @@ def model_inputs(model: PreTrainedModel, ids: torch.Tensor | Mapping) -> dict:
     also be a dict of model inputs (input_ids with pixel_values and the like, for a vision-language model),
     passed as it is. Without one, image-text models get the synthetic image after the first token (see the
     module's docstring)."""
-    from .streamed import compute_device
-
     extra, device = {}, compute_device(model)
     if isinstance(ids, Mapping):
         extra = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in ids.items()}
@@ -115,9 +115,7 @@ def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
     if not standard_causal or base is None or base is model or head is None or is_encoder_decoder(model):
         model(**model_inputs(model, ids), use_cache=False)
         return
-    from .streamed import stem_held
-
-    with stem_held(model):  # a streamed model's head loads once, not once per chunk
+    with weights_of(model).held():  # a streamed model's head loads once, not once per chunk
         hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state
         for chunk in hidden.split(HEAD_CHUNK, dim=1):
             head(chunk)

@@ -1,0 +1,133 @@
+"""The package's layout, read from the source with `ast` (every import counts, at module level or inside a function):
+core imports nothing from engine (a model's weights are reached through core.weights), nothing outside the engine
+asks for the streamed model itself, and no two modules import each other, directly or round a loop."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "halfsafe"  # read, not imported
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """module name -> (file, is a package's __init__)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[tuple[str, list[str]]]:
+    """(what `node` imports, as absolute dotted names, with the names it takes from it)."""
+    if isinstance(node, ast.Import):
+        return [(a.name, []) for a in node.names]
+    base = module if node.level == 0 else ".".join(module.split(".")[: len(module.split(".")) + is_package - node.level])
+    target = node.module if node.level == 0 else ".".join(p for p in (base, node.module) if p)
+    return [(target, [a.name for a in node.names])]
+
+
+def _halfsafe_modules(target: str, names: list[str]) -> set[str]:
+    """The halfsafe modules an import of `names` from `target` loads: `target` (its longest module prefix) and any
+    name that is a submodule."""
+    out = set()
+    for full in [target] + [f"{target}.{n}" for n in names]:
+        while full and full not in MODULES:
+            full = full.rpartition(".")[0]
+        if full:
+            out.add(full)
+    return out
+
+
+def _imports(module: str) -> list[tuple[str, list[str], int]]:
+    path, is_package = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    return [(target, names, node.lineno) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for target, names in _imported(module, is_package, node)]
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {d for target, names, _ in _imports(m) for d in _halfsafe_modules(target, names)} - {m} for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_core_imports_nothing_from_the_engine():
+    core = [m for m in MODULES if m == "halfsafe.core" or m.startswith("halfsafe.core.")]
+    assert "halfsafe.core.weights" in core and len(core) > 10
+    bad = [f"{MODULES[m][0].relative_to(PACKAGE.parent)}:{line} imports {target}" for m in core
+           for target, names, line in _imports(m)
+           if any(d == "halfsafe.engine" or d.startswith("halfsafe.engine.") for d in _halfsafe_modules(target, names))]
+    assert not bad, "core must not import the engine (reach a model's weights through core.weights): " + "; ".join(bad)
+
+
+def test_nothing_outside_the_engine_asks_for_the_streamed_model():
+    """Outside engine/, a model is a model: the engine's verbs (in_dtype, in_step, save_fp16, load_streamed) and
+    core.weights answer for a streamed one."""
+    bad = [f"{MODULES[m][0].relative_to(PACKAGE.parent)}:{line}" for m in MODULES if not m.startswith("halfsafe.engine")
+           for target, names, line in _imports(m) if "streamed_of" in names or "Streamed" in names]
+    assert not bad, "streamed_of used outside halfsafe.engine: " + ", ".join(bad)
+
+
+# The one loop left: the ONNX exporter's dispatch (`onnx.exporter_for`) picks the encoder and encoder-decoder
+# exporters, which reuse the decoder exporter's helpers from the same module. Splitting the helpers out removes it
+# (and this entry: the test then asks for it).
+KNOWN_CYCLES = [["halfsafe.export.onnx", "halfsafe.export.onnx_encoder", "halfsafe.export.onnx_seq2seq"]]
+
+
+def test_no_import_cycles():
+    """No module imports one that imports it back, directly or round a loop, counting imports inside functions
+    (which hide a cycle from Python, not from the reader)."""
+    cycles = _cycles(_graph())
+    new = [c for c in cycles if c not in KNOWN_CYCLES]
+    assert not new, "import cycles: " + "; ".join(" <-> ".join(c) for c in new)
+    gone = [c for c in KNOWN_CYCLES if c not in cycles]
+    assert not gone, f"no longer a cycle, take it out of KNOWN_CYCLES: {gone}"
+
+
+def test_the_checks_see_function_level_and_relative_imports():
+    """The reader itself: a relative import inside a function is an edge, and a loop of two is found."""
+    tree = ast.parse("def f():\n    from ..engine.streamed import streamed_of\n")
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
+    assert _imported("halfsafe.core.rewrite", False, node) == [("halfsafe.engine.streamed", ["streamed_of"])]
+    assert _imported("halfsafe.core", True, node) == [("halfsafe.engine.streamed", ["streamed_of"])]  # from a package's __init__
+    assert _halfsafe_modules("halfsafe.engine", ["streamed"]) == {"halfsafe.engine", "halfsafe.engine.streamed"}
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
