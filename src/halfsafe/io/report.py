@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..core.margin import Margin
 from ..core.plan import Plan
@@ -82,10 +82,10 @@ class Conversion:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Conversion":
+    def from_dict(cls, d: dict[str, Any]) -> "Conversion":
         margin = d.get("margin")
         return cls(Plan.from_dict(d["plan"]), Margin(**margin) if margin else None,
-                   **{f.name: d.get(f.name) for f in fields(cls)[2:] if f.name in d})
+                   **{f.name: d[f.name] for f in fields(cls)[2:] if f.name in d})
 
 
 @dataclass
@@ -219,5 +219,5 @@ def read(path: str | Path) -> Record:
     return Record.from_dict(d)
 
 
-def _refuse(why: str):
+def _refuse(why: str) -> NoReturn:
     raise HalfsafeError(f"not a {FILE} halfsafe wrote ({why}): pass a folder halfsafe wrote, its {FILE} unedited")
