@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     found += differences(work / "base", work / "new")
     compared = sum(1 for p in (work / "base").rglob("*") if p.is_file())
     print(f"{len(keys)} families, {len(status['base'])} commands, {compared} files written by the base version")
+    for job, code in status["base"].items():  # the same on both sides, but nothing written to compare
+        if code != 0 and status["new"][job] == code:
+            print(f"{job}: exit {code} on both sides (compared: no output, same status)")
     for line in found:
         print(line)
     print("same bytes" if not found else f"{len(found)} differences")
