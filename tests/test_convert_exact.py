@@ -44,6 +44,7 @@ from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import family_for
 from halfsafe.io.checkpoint import shard_size
 from halfsafe.io.loading import input_paths
+from halfsafe.io.report import Versions
 from halfsafe.scan import LayerPeak, ScanReport
 
 B = math.log2(65504.0)  # 15.99930: float16's largest value in bits
@@ -394,7 +395,7 @@ def recorded(monkeypatch):
     calls = []
     loaded = SimpleNamespace(model=SimpleNamespace(config=_Config()), tokenizer="TOK", folder=Path("/the/source"))
     loaded.set_tokenizer_aside = lambda: (lambda: "TOK again")  # the tokenizer is dropped, and given back to save
-    report = SimpleNamespace(to_dict=lambda: {"plan": "P", "peak_before": 1.0}, storage=[], reads=Reads())
+    report = SimpleNamespace(record=lambda source: {"source": source, "plan": "P", "peak_before": 1.0}, storage=[], reads=Reads())
     sample = torch.zeros(1, 4, dtype=torch.long)
 
     def record(name, result=None):
@@ -498,7 +499,9 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
     info = {"source": "src", "applied_plan_from": str(tmp_path / "plan.json"), "plan": plan.to_dict(), "peak_after": 1000.0,
             "scan_after": {"fp16_safe": safe, "first_nonfinite_fp16": None if safe else "y:out", "peak_site": "x:out",
                            "headroom_bits": bits, "margin_kept": kept}, "tensor_storage": []}
-    assert r.calls == [*steps, ("save", (m, "TOK again", "out", info, Path("/the/source"), False), {"progress": True})]
+    saved = r.calls[-1][1][3]  # the record, as halfsafe.json will hold it
+    assert r.calls == [*steps, ("save", (m, "TOK again", "out", saved, Path("/the/source"), False), {"progress": True})]
+    assert saved.to_dict() == {**Versions.current().to_dict(), **info}
 
 
 def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_path):
@@ -512,7 +515,7 @@ def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_pat
                                             ("apply", (m, plan)), ("samples", (["t"], "TOK", 300, 32, None))]
     assert r.calls[1][2] == {"stream": False, "device": "cpu"}
     assert r.calls[5][2] == {"fp16_check": True, "progress": False, "name": "src"}
-    assert r.calls[6][1][3]["source"] == "src" and r.calls[6][1][5] is True and r.calls[6][2] == {"progress": False}
+    assert r.calls[6][1][3].source == "src" and r.calls[6][1][5] is True and r.calls[6][2] == {"progress": False}
     # a plan that cannot be read fails after the first output check, before loading
     r.calls.clear()
     with pytest.raises(HalfsafeError, match="cannot read a plan"):

@@ -87,8 +87,8 @@ def test_streamed_write_is_bit_identical_to_whole_model_save(pair, tmp_path):
     apply_exponents_(whole, family, expand(family, whole), exps)
     apply_exponents_(streamed, family, expand(family, streamed), exps)
     try:
-        save_fp16_checkpoint(whole, None, tmp_path / "whole", {})
-        save_fp16_checkpoint(streamed, None, tmp_path / "streamed", {})
+        save_fp16_checkpoint(whole, None, tmp_path / "whole", None)
+        save_fp16_checkpoint(streamed, None, tmp_path / "streamed", None)
     finally:
         apply_exponents_(whole, family, expand(family, whole), {k: -v for k, v in exps.items()})
         apply_exponents_(streamed, family, expand(family, streamed), {k: -v for k, v in exps.items()})
@@ -126,7 +126,7 @@ def test_sharded_output_with_index_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
     whole, streamed = _pair("llama", tmp_path / "src")
-    save_fp16_checkpoint(streamed, None, tmp_path / "out", {}, max_shard_size=20_000)
+    save_fp16_checkpoint(streamed, None, tmp_path / "out", None, max_shard_size=20_000)
     index = json.loads((tmp_path / "out/model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float16)
@@ -157,8 +157,8 @@ def test_past_the_limit_streamed_and_whole_write_the_same_shards_and_index(key, 
     whole, streamed = _pair(key, tmp_path / "src")
     limit = (tmp_path / "src/model.safetensors").stat().st_size // 2  # float32 source: the fp16 output is about one half
     for name, model in (("whole", whole), ("streamed", streamed)):
-        save_fp16_checkpoint(model, None, tmp_path / name, {}, max_shard_size=limit // 3)
-        save_fp16_checkpoint(model, None, tmp_path / f"{name}-one", {}, max_shard_size=limit * 2)
+        save_fp16_checkpoint(model, None, tmp_path / name, None, max_shard_size=limit // 3)
+        save_fp16_checkpoint(model, None, tmp_path / f"{name}-one", None, max_shard_size=limit * 2)
     files = sorted(p.name for p in (tmp_path / "whole").iterdir() if "safetensors" in p.name)
     assert len(files) > 3 and "model.safetensors.index.json" in files
     assert files == sorted(p.name for p in (tmp_path / "streamed").iterdir() if "safetensors" in p.name)

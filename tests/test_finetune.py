@@ -23,6 +23,7 @@ from halfsafe.core.rewrite import apply_exponents_
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.families import family_for
+from halfsafe.io import card, report
 from halfsafe.scan import scan
 from halfsafe.training import TrainingRescaler, train_steps
 from halfsafe.training.finetune import FinetuneConfig, finetune_below_threshold, fp16_check
@@ -399,6 +400,11 @@ def test_cli_finetune_saves_a_float16_checkpoint_and_rejects_bad_input(tmp_path,
     assert not (tmp_path / ".out.partial").exists()
     info = json.loads((out / "halfsafe.json").read_text())
     assert info["finetune"]["converged"] and info["fp16_check_after_finetune"]["finite"]
+    done = report.read(out).finetuned  # the typed record, and the card made from it: both sections, in order
+    assert done.to_dict() == {k: info[k] for k in ("finetune", "fp16_check_after_finetune")}
+    card_text = (out / card.FILE).read_text()
+    assert card_text.count(card.TITLE) == 1 and card_text.index(card.TITLE) < card_text.index("## float16 penalty fine-tune")
+    assert f"fine-tuned for {done.report.steps} steps" in card_text and "*not* an exact rescaling" in card_text
     half = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16)
     ids = tiny_ids(half, length=32)
     assert torch.isfinite(half(input_ids=ids).logits).all()

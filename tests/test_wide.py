@@ -118,8 +118,8 @@ def test_wide_weights_write_the_same_bytes_as_the_whole_model(tmp_path, small_ch
         exps = random_exponents(expand(family, whole), seed=5, choices=(-2, -1, 1))
         apply_exponents_(whole, family, expand(family, whole), exps)
         apply_exponents_(streamed, family, expand(family, streamed), exps)
-        save_fp16_checkpoint(whole, None, tmp_path / f"{key}-whole", {})
-        save_fp16_checkpoint(streamed, None, tmp_path / f"{key}-wide", {})
+        save_fp16_checkpoint(whole, None, tmp_path / f"{key}-whole", None)
+        save_fp16_checkpoint(streamed, None, tmp_path / f"{key}-wide", None)
         a, b = (Path(tmp_path / f"{key}-{m}/model.safetensors").read_bytes() for m in ("whole", "wide"))
         assert a == b, key
 

@@ -29,6 +29,7 @@ from .engine.reads import Reads
 from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import family_for
+from .io.report import Applied, Conversion, Record, ScanAfter
 from .progress import phase, recorded
 from .runtime.profiles import get_profile
 from .scan import ScanReport, scan
@@ -79,24 +80,31 @@ class ConversionReport:
     def is_chosen(self, c: Candidate) -> bool:
         return {k: v for k, v in c.exponents.items() if v} == self.plan.exponents
 
+    def saved(self) -> Conversion:
+        """What halfsafe.json keeps of this report (io.report): everything but timings and the reference logits."""
+        return Conversion(
+            plan=self.plan, margin=self.margin,
+            peaks_before={l.name: l.residual_peak for l in self.scan_before.layers},
+            peaks_after=dict(self.layers_after),
+            peak_before=self.scan_before.peak.abs_max,
+            unfixable=[{"site": s, "abs_max": v} for s, v in self.unfixable],
+            below_headroom_target=[{"site": s, "abs_max": v} for s, v in self.tight],
+            candidates=[vars(c) for c in self.candidates],
+            tensor_storage=self.storage,
+            fp32_output_change=self.fp32_output_change,
+            fp16_finite_on_calibration=self.fp16_finite,
+            notes=self.notes,
+            runtime=self.runtime,
+            checkpoint_reads=self.reads.to_dict() if self.reads else None,
+            fp16_arith=self.fp16_arith,
+        )
+
+    def record(self, source: str) -> Record:
+        """halfsafe.json of a conversion of `source`."""
+        return Record(source, self.saved())
+
     def to_dict(self) -> dict:
-        return {
-            "plan": self.plan.to_dict(),
-            "margin": self.margin.to_dict() if self.margin else None,
-            "peaks_before": {l.name: l.residual_peak for l in self.scan_before.layers},
-            "peaks_after": dict(self.layers_after),
-            "peak_before": self.scan_before.peak.abs_max,
-            "unfixable": [{"site": s, "abs_max": v} for s, v in self.unfixable],
-            "below_headroom_target": [{"site": s, "abs_max": v} for s, v in self.tight],
-            "candidates": [vars(c) for c in self.candidates],
-            "tensor_storage": self.storage,
-            "fp32_output_change": self.fp32_output_change,
-            "fp16_finite_on_calibration": self.fp16_finite,
-            "notes": self.notes,
-            **({"runtime": self.runtime} if self.runtime is not None else {}),
-            **({"checkpoint_reads": self.reads.to_dict()} if self.reads else {}),
-            **({"fp16_arith": self.fp16_arith} if self.fp16_arith is not None else {}),
-        }
+        return self.saved().to_dict()
 
 
 @torch.no_grad()
@@ -432,8 +440,8 @@ def convert_checkpoint(
                             max_context=max_context, fp16_arith=fp16_arith, **profiled)
     check_storage(report.storage, "refusing to save (please report this)")
     with report.reads.phase(loaded.model, "write"):  # halfsafe.json, written after the weights, counts their read
-        save_fp16_checkpoint(loaded.model, tokenizer(), out, lambda: {"source": str(source), **report.to_dict()}, loaded.folder,
-                             overwrite, max_shard_size, progress)
+        save_fp16_checkpoint(loaded.model, tokenizer(), out, lambda: report.record(str(source)), loaded.folder, overwrite,
+                             max_shard_size, progress)
     return report
 
 
@@ -461,10 +469,8 @@ def apply_checkpoint(
         where = f", first non-finite fp16 module {after.first_nonfinite_fp16}" if after.first_nonfinite_fp16 else ""
         raise HalfsafeError(f"not fp16-safe after the plan: peak {peak.abs_max:.4g} at {peak.name}{where}; this checkpoint's "
                             f"activations outgrew the plan and nothing was written. Run `halfsafe convert {source} OUT` instead")
-    info = {"source": str(source), "applied_plan_from": str(plan_path), "plan": plan.to_dict(), "peak_after": peak.abs_max,
-            "scan_after": {"fp16_safe": after.fp16_safe, "first_nonfinite_fp16": after.first_nonfinite_fp16,
-                           "peak_site": peak.name, "headroom_bits": peak.headroom_bits,
-                           "margin_kept": peak.headroom_bits >= plan.headroom_bits},
-            "tensor_storage": storage}
-    save_fp16_checkpoint(loaded.model, tokenizer(), out, info, loaded.folder, overwrite, progress=progress)
+    scanned = ScanAfter(after.fp16_safe, after.first_nonfinite_fp16, peak.name, peak.headroom_bits,
+                        margin_kept=peak.headroom_bits >= plan.headroom_bits)
+    record = Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage))
+    save_fp16_checkpoint(loaded.model, tokenizer(), out, record, loaded.folder, overwrite, progress=progress)
     return plan, after

@@ -22,29 +22,38 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.shards import Shards
 from ..errors import HalfsafeError
 from ..families import family_for
 
 
-def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
-    """Copy `converted` to `out` with every 1-D floating tensor in fp32 (exact); everything else unchanged."""
-    from safetensors.torch import load_file, save_file
+def _shards(converted: Path) -> Shards:
+    """The checkpoint's tensors through the one reader of a model folder (engine.shards: every file resolved inside
+    the folder, nothing unpickled); a folder without safetensors is refused in one line."""
+    if not any(converted.glob("*.safetensors")):
+        raise HalfsafeError(f"{converted} has no *.safetensors: give the folder `halfsafe convert` wrote")
+    return Shards(converted)
 
-    from ..io.trust import check_folder, inside
+
+def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
+    """Copy `converted` to `out` with every 1-D floating tensor in fp32 (exact); everything else unchanged, each
+    weight file under its own name (the index still names them)."""
+    from safetensors.torch import save_file
+
+    from ..io.trust import check_folder
 
     converted, out = Path(converted), Path(out)
     check_folder(converted)  # nothing copied from outside it
-    files = sorted(converted.glob("*.safetensors"))
-    if not files:
-        raise HalfsafeError(f"{converted} has no *.safetensors: give the folder `halfsafe convert` wrote")
+    shards = _shards(converted)
     out.mkdir(parents=True, exist_ok=True)
     for f in converted.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
-    for f in files:
-        tensors = load_file(inside(converted, f.name))
+    for name in sorted(set(shards.file_of.values())):
+        with shards:
+            tensors = {k: shards.load(k) for k in shards.keys() if shards.file_of[k] == name}
         tensors = {k: (v.float() if v.dim() == 1 and v.is_floating_point() else v) for k, v in tensors.items()}
-        save_file(tensors, out / f.name, metadata={"format": "pt"})
+        save_file(tensors, out / name, metadata={"format": "pt"})
     return out
 
 
@@ -74,14 +83,15 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     Gemma's RMSNorm multiplies by). Returns per-tensor results and a summary.
     """
     import gguf
-    from safetensors.torch import load_file
 
     from ..io.loading import read_config
-    from ..io.trust import inside
 
     converted = Path(converted)
     config = read_config(converted)
     text = config.get_text_config()
+    shards = _shards(converted)  # the checkpoint first: a folder naming files outside it is refused before any read
+    with shards:
+        hf = {k: shards.load(k) for k in shards.keys()}
     reader = gguf.GGUFReader(str(gguf_path))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     eps_field = reader.fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
@@ -89,9 +99,6 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     name_map = gguf.get_tensor_name_map(arch_enum, text.num_hidden_layers)
     stored = {t.name: t for t in reader.tensors}
-    hf = {}
-    for f in sorted(converted.glob("*.safetensors")):
-        hf.update(load_file(inside(converted, f.name)))
     gain1p = family_for(config.model_type).one_plus_norm_gains  # llama.cpp stores 1 + w for these norms
     rows = []
     for name, w in hf.items():

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import HalfsafeError, UnsupportedModelError
+from ..io.card import TITLE as _CONVERSION_TITLE  # the model card's conversion section
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +389,6 @@ def _mark_tokenizer(folder: Path) -> None:
 
 
 _CARD_TITLE = "## fp16 ONNX (halfsafe export onnx)"
-_CONVERSION_TITLE = "## float16 conversion (halfsafe)"  # checkpoint._write_card's section
 
 
 # per task: the example call on the card, and what the graph takes and gives (for ONNX Runtime users)

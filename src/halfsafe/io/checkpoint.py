@@ -1,15 +1,14 @@
 """Write the converted model as an ordinary fp16 Hugging Face checkpoint, atomically.
 
 The folder is built under a temporary name beside OUT and renamed at the end, so an interrupted run
-leaves no half-written OUT. Beside the weights: halfsafe.json (the plan and what was checked) and a
-model card section.
+leaves no half-written OUT. Beside the weights: halfsafe.json (the plan and what was checked, io.report) and a
+model card section made from it (io.card).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import logging
 import os
 import shutil
@@ -18,14 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-import torch
-import transformers
 from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
-from .._version import __version__
 from ..engine.write import DEFAULT_MAX_SHARD_SIZE, save_fp16
 from ..errors import HalfsafeError
+from . import card, report
+from .report import Record
 
 log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
@@ -158,7 +156,7 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-MARK = "halfsafe.json"  # every folder halfsafe writes carries it; --overwrite replaces only those (or empty ones)
+MARK = report.FILE  # every folder halfsafe writes carries it; --overwrite replaces only those (or empty ones)
 
 
 def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, inputs=()) -> Path:
@@ -239,16 +237,18 @@ def output_bytes(model: PreTrainedModel) -> int:
 
 
 def save_fp16_checkpoint(
-    model: PreTrainedModel, tokenizer, out: str | Path, info: dict | Callable[[], dict], source_folder: Path | None = None, overwrite: bool = False,
+    model: PreTrainedModel, tokenizer, out: str | Path, record: Record | Callable[[], Record] | None, source_folder: Path | None = None,
+    overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False,
 ) -> Path:
-    """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `info` as halfsafe.json and a
-    card. A streamed model is written tensor by tensor from its shards."""
+    """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `record` as halfsafe.json and
+    the model card made from it (io.report, io.card; None: halfsafe.json holds only the versions, and no card is
+    written). A streamed model is written tensor by tensor from its shards."""
     out = check_out_dir(out, overwrite, output_bytes(model), inputs=[source_folder])
     try:
         with atomic_folder(out, replace=overwrite) as tmp:
             save_fp16(model, tmp, max_shard_size, progress)
-            _write_extras(tokenizer, tmp, info() if callable(info) else info, source_folder)  # a callable: made now, after the weights
+            _write_extras(tokenizer, tmp, record() if callable(record) else record, source_folder)  # a callable: made now, after the weights
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
         raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "
@@ -256,7 +256,7 @@ def save_fp16_checkpoint(
     return out
 
 
-def _write_extras(tokenizer, tmp: Path, info: dict, source_folder: Path | None) -> None:
+def _write_extras(tokenizer, tmp: Path, record: Record | None, source_folder: Path | None) -> None:
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if source_folder is not None:
@@ -264,34 +264,6 @@ def _write_extras(tokenizer, tmp: Path, info: dict, source_folder: Path | None) 
             for f in source_folder.glob(pattern):
                 if f.is_file() and not (tmp / f.name).exists():
                     shutil.copy2(f, tmp / f.name)
-    info = {"halfsafe_version": __version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__, **info}
-    (tmp / MARK).write_text(json.dumps(info, indent=2, allow_nan=True) + "\n")
-    if "plan" in info:
-        _write_card(tmp / "README.md", info)
-
-
-def _write_card(path: Path, info: dict) -> None:
-    plan = info.get("plan", {})
-    res = plan.get("exponents", {}).get("residual")
-    lines = [
-        "",
-        "## float16 conversion (halfsafe)",
-        "",
-        f"Converted from `{info.get('source', '?')}` by halfsafe {__version__}: an exact, function-preserving",
-        "power-of-two rescaling of the weights, so the model runs in float16 without inf/NaN. This is an",
-        "ordinary float16 checkpoint: load it with plain transformers (`dtype=torch.float16`), no custom code.",
-        "",
-        f"- family: {plan.get('family')}, model_type: {plan.get('model_type')}",
-        f"- residual-stream scale: 2^{res}" if res is not None else "- no residual-stream scale (per-norm scales)",
-        f"- tensors rescaled: {len(plan.get('tensors', []))}; norm eps moved by 2^{plan.get('eps_exponent', 0)}"
-        + "".join(f"; {k} by 2^{v}" for k, v in plan.get("eps_fields", {}).items()),
-        f"- margin: {plan.get('headroom_bits'):.2f} bits under 65504, made for contexts up to {plan.get('context_length')} tokens"
-        + (f" ({info['margin']['rule']})" if info.get("margin") else ""),
-        f"- activation peak before: {info.get('peak_before', float('nan')):.4g}",
-        f"- check on calibration text: fp16 finite = {info.get('fp16_finite_on_calibration')}, "
-        f"fp32 output change = {info.get('fp32_output_change', float('nan')):.2e}",
-        "",
-        "`halfsafe.json` beside the weights lists every rescaled tensor with its exponent and the measurements.",
-    ]
-    text = path.read_text() if path.exists() else ""
-    path.write_text(text.rstrip() + "\n" + "\n".join(lines) + "\n")
+    report.write(tmp, record)
+    if record is not None:
+        card.write(tmp, record)

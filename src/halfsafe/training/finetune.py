@@ -39,7 +39,7 @@ import hashlib
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +52,7 @@ from ..core.forward import model_inputs
 from ..core.sites import Site, block_of, find_blocks, within
 from ..core.stats import SiteCollector
 from ..errors import HalfsafeError
+from ..io.report import Finetuned, FinetuneReport, Record
 from ..scan import check_fp16, collect
 
 STATE_VERSION = 1
@@ -99,27 +100,6 @@ class FinetuneConfig:
             raise HalfsafeError(f"--polish-steps {self.polish_steps} must be 0 or more")
         if self.save_every < 1:
             raise HalfsafeError(f"--save-every {self.save_every} must be at least 1")
-
-
-@dataclass
-class FinetuneReport:
-    steps: int  # optimizer steps taken in total (including those before a resume)
-    stop_reason: str
-    threshold: float
-    target: float
-    watched: list[str]
-    trainable: list[str]
-    peaks_before: dict[str, float]  # float32 |x| max over the samples, watched sites
-    peaks_after: dict[str, float]
-    max_peak_after: float  # over every site
-    max_site_after: str
-    kl: float  # mean KL(teacher || student) per token over the samples, after
-    converged: bool
-    resumed_from_step: int | None = None
-    history: list[dict] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # -- hooks --------------------------------------------------------------------------------------
@@ -459,10 +439,8 @@ def finetune_checkpoint(
             "or pass --save-unconverged to save as it is"
         )
     fp16 = fp16_check(model, samples)
-    info = {"source": str(source), **conversion.to_dict(), "finetune": report.to_dict(), "fp16_check_after_finetune": fp16}
-    save_fp16_checkpoint(model, job.tokenizer(), out, info, loaded.folder, overwrite)
-    if report.steps:
-        _append_card(Path(out) / "README.md", report, fp16)
+    record = Record(str(source), conversion.saved(), Finetuned(report, fp16))  # its card then says the weights are no longer exact
+    save_fp16_checkpoint(model, job.tokenizer(), out, record, loaded.folder, overwrite)
     if not resume_from:
         shutil.rmtree(partial_dir(out), ignore_errors=True)
     return report, conversion, fp16
@@ -475,22 +453,3 @@ def fp16_check(model: nn.Module, samples: list[torch.Tensor]) -> dict:
     from ..engine.fp16_arith import resolve
 
     return check_fp16(model, samples, resolve(None, model)["used"], stats=True).summary()
-
-
-def _append_card(path: Path, report: FinetuneReport, fp16: dict) -> None:
-    lines = [
-        "",
-        "## float16 penalty fine-tune (halfsafe finetune)",
-        "",
-        "After the exact rescaling above, some activations no exact rescaling reaches were still above the",
-        f"threshold ({report.threshold:g}); the model was fine-tuned for {report.steps} steps to bring them down while",
-        "staying close to the original (KL distillation on the original's logits). These weights are therefore",
-        f"*not* an exact rescaling: mean KL to the original {report.kl:.2e} nats/token on the fine-tune text.",
-        "",
-        f"- sites fine-tuned: {', '.join(report.watched[:6])}{' ...' if len(report.watched) > 6 else ''}",
-        f"- stop: {report.stop_reason}",
-        f"- largest |x| after (float32): {report.max_peak_after:.4g} at {report.max_site_after}",
-        f"- float16 check: finite = {fp16['finite']}, largest |x| {fp16['peak']:.4g}",
-    ]
-    text = path.read_text() if path.exists() else ""
-    path.write_text(text.rstrip() + "\n" + "\n".join(lines) + "\n")
