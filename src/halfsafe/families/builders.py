@@ -1,7 +1,7 @@
 """Move helpers and group templates that several family modules share.
 
 Family modules import from here and from spec only, never from each other: a family's data then reads on its
-own, and the registry (families/registry.py) can list every module without caring about import order.
+own, and the registry (families/registry.py) can import every module it finds without caring about order.
 The math behind each template is written up in the docstring of the family module that introduced it
 (families/llama.py, mixtral.py, t5.py, bart.py, gemma.py, t5gemma.py).
 """
