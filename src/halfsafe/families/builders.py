@@ -60,6 +60,12 @@ BART_DECODER_WRITERS = ("self_attn.out_proj", "encoder_attn.out_proj", "fc2")
 BART_ENCODER_WRITERS = ("self_attn.out_proj", "fc2")
 T5GEMMA_SELF_WRITERS = ("post_self_attn_layernorm", "post_feedforward_layernorm")  # a block without cross-attention
 
+# -- widths of the shrunk copy the probe runs on (Family.shrink_widths) that mixture-of-experts configs name ----
+# The expert counts (one name or another), how many experts each token takes (kept <= the count), their MLP widths.
+MOE_WIDTHS = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "top_k_experts": 2, "experts_per_token": 2,
+              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+
 
 # -- Llama-style decoders (families/llama.py, qwen3.py) -------------------------------------------------------
 _L = "model.layers.{i}"
@@ -157,6 +163,7 @@ def moe_family(name: str, model_types: tuple[str, ...], intermediate: str, share
         unfixable=unfixable or ("gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs "
                                 "(SiLU is not homogeneous); raw QK^T logits under eager attention"),
         residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # dense layers (mlp_only_layers) and MoE layers
+        shrink_widths=MOE_WIDTHS,
     )
 
 

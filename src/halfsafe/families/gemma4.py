@@ -50,8 +50,8 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   to +-65504 in fp16. Its projector (embed_audio) writes into the language model and moves with s.
 """
 
-from .builders import SANDWICH_BLOCK_WRITERS, biased, up_half
-from .spec import Family, GroupSpec, Move, tied_head
+from .builders import MOE_WIDTHS, SANDWICH_BLOCK_WRITERS, biased, up_half
+from .spec import Family, GroupSpec, Move, StressHint, tied_head
 
 
 def _text(model):
@@ -120,6 +120,9 @@ _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-
 
 # A block with per-layer inputs writes a third time; the vision tower's layers and blocks without them write twice.
 _PLE_BLOCK_WRITERS = (*SANDWICH_BLOCK_WRITERS, "post_per_layer_input_norm")
+# The shrunk copy's widths: MoE blocks' experts, the per-layer inputs, and the global-attention blocks' wider heads
+# (the per_layer_config overrides' head_dim).
+_SHRINK_WIDTHS = {**MOE_WIDTHS, "hidden_size_per_layer_input": 8, "global_head_dim": 32}
 # The audio tower's conformer layers (only hooked by the run-time baselines: no rescale moves the audio stream).
 _AUDIO_BLOCK_WRITERS = ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end",
                         "feed_forward2.post_layer_norm")
@@ -133,6 +136,7 @@ GEMMA4_TEXT = Family(
     eps_attrs=("rms_norm_eps",),
     unfixable=_UNFIXABLE,
     residual_writers=(_PLE_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
+    shrink_widths=_SHRINK_WIDTHS,
 )
 
 V = "model.vision_tower"
@@ -175,5 +179,7 @@ GEMMA4 = Family(
                            "norms hard-code eps 1e-6 instead of reading the config, so no checkpoint can move their eps: "
                            "only its projector moves); the vision tower's stream where it clamps (use_clipped_linears) "
                            "or standardises (standardize) with stored bounds",
+    shrink_widths=_SHRINK_WIDTHS,
+    stress=StressHint(towers=(V, "model.audio_tower")),  # the stress blows up the language model's stream only
 )
 FAMILIES = (GEMMA4_TEXT, GEMMA4)
