@@ -20,7 +20,7 @@ from halfsafe.core.sites import find_blocks
 from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import REFUSED, REGISTRY, family_for, supported_model_types
 from halfsafe.families.registry import FamilyDataError, build, family_modules, load_modules
-from halfsafe.families.spec import Family, GroupSpec, Move
+from halfsafe.families.spec import Family, GroupSpec, Move, StressHint
 from halfsafe.runtime.baselines import residual_writers
 
 PACKAGE = Path(families.__file__).parent
@@ -99,6 +99,13 @@ def test_writer_sets_are_checked_where_the_family_is_written():
         _family("a", "x", writers=(("o_proj",), ("o_proj", "down_proj")))
     with pytest.raises(ValueError, match="tuples of module names"):  # a bare set, not a tuple of sets
         _family("a", "x", writers=("o_proj", "down_proj"))
+
+
+def test_stress_hints_are_checked_where_the_family_is_written():
+    with pytest.raises(ValueError, match="may hold"):  # a tower is a module, not a pair of blocks
+        StressHint(towers=("model.layers.{i+1}",))
+    with pytest.raises(ValueError, match="names both"):  # post-norm: the norms that write and what reads them
+        StressHint(norms=("encoder.layer.{i}.output.LayerNorm",))
 
 
 def test_unknown_and_refused_model_types_fail_with_the_fix():
