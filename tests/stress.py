@@ -21,16 +21,18 @@ What is amplified is read from the family data (halfsafe.families), so a new fam
   projection, a Linear a pair group ends (o_proj, down_proj), so the massive channels dominate what the norm
   normalises;
 - what `Family.stress` says where the rest cannot (families/spec.py, StressHint): the towers (vision, audio)
-  whose blocks stay as they are, and in post-norm families, whose every write a LayerNorm renormalises, the
-  norm gains to grow and the attention inputs to shrink instead.
+  whose blocks stay as they are, rows to grow that running the model cannot find (Gemma 4), and in post-norm
+  families, whose every write a LayerNorm renormalises, the norm gains to grow and the attention inputs to
+  shrink instead.
 
 What catches a mistake in the family data, now that the stress reads it: the rescale reads the groups, the
 stress mainly the residual writers, which no rescale reads. A writer the groups forget is still amplified
 here, so the converted model still overflows and tests/test_families.py fails. Writers naming modules outside
-the stream grow it at best through what reads them; where nothing then overflows, make_stress fails, and the
-test asserts that it succeeds. What no test catches: a set missing one writer where the others still overflow
-(tests/test_family_registry.py checks only that every block's writers exist), nor a feed taken from a pair
-group that is exact but does not feed the writer (the stress is then milder or harsher, no less valid).
+the stream grow it at best through what reads them; where nothing then overflows, make_stress raises
+StressError, which fails the test (even one expected to fail its assertions). What no test catches: a set
+missing one writer where the others still overflow (tests/test_family_registry.py checks only that every
+block's writers exist), nor a feed taken from a pair group that is exact but does not feed the writer (the
+stress is then milder or harsher, no less valid).
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ READ = "read"  # a post-norm model's query/key read the amplified stream directl
 # factor, as trained models keep attention logits moderate on their massive (attention-sink) channels
 
 
+class StressError(RuntimeError):
+    """No stress model could be built. Not an AssertionError: a test expected to fail an assertion (a strict xfail)
+    must not pass on a stress that never overflowed."""
+
+
 @dataclass(frozen=True)
 class Amp:
     """One tensor of the stress: how it is amplified, the depth that grows its factor, and (feeds) its part."""
@@ -97,9 +104,11 @@ def stress_plan(model: nn.Module, run) -> list[Amp]:
             amps += [Amp(p, how, depth) for p, how in _branch_output(model, fed_by.get(writer), groups)]
         else:
             written = [Amp(p, how, depth) for p, how in _writes(model, writer, groups)]
-            assert written, f"residual writer {writer} ({type(model.get_submodule(writer)).__name__}): nothing to amplify"
+            if not written:
+                raise StressError(f"residual writer {writer} ({type(model.get_submodule(writer)).__name__}): nothing to amplify")
             amps += written + _feeds(written, groups)
-    return amps
+    once = {(a.param, a.how, repr(a.select)): a for a in reversed(amps + _matching(model, hint.rows, ROW))}
+    return list(reversed(once.values()))  # each part once, in order: a row the hint names may be traced too
 
 
 def _is_norm(m: nn.Module) -> bool:
@@ -207,7 +216,8 @@ def _matching(model: nn.Module, templates: tuple[str, ...], how: str) -> list[Am
             m = rx.match(name)
             if m:
                 out.append(Amp(f"{name}.weight", how, int(m.group(1)) + 1 if m.groups() else 0))
-    assert out, f"no module matches {templates}"
+    if templates and not out:
+        raise StressError(f"no module of {type(model).__name__} matches {templates} (Family.stress)")
     return out
 
 
@@ -271,7 +281,8 @@ def make_stress(model: nn.Module, run, margin_bits: float = 2.0, start: int = 12
     """Amplify `model` in place until its fp32 activations pass 65504 by `margin_bits` (measured with `run()`),
     keeping every weight under 65504. Returns the log2 factor used; fails if no factor does both."""
     amps = stress_plan(model, run)
-    assert amps, "the family data named nothing to amplify"
+    if not amps:
+        raise StressError(f"the family data of {model.config.model_type} names nothing to amplify")
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     for k in (half / 2 for half in range(start, stop)):  # factors 2**(k/2): not a rescale halfsafe could undo
         _amplify(model, amps, k)
@@ -281,7 +292,7 @@ def make_stress(model: nn.Module, run, margin_bits: float = 2.0, start: int = 12
             return k
         for n, p in model.named_parameters():
             p.copy_(original[n])
-    raise AssertionError(f"no amplification of {type(model).__name__} overflows activations with every weight < 65504")
+    raise StressError(f"no amplification of {type(model).__name__} overflows activations with every weight < 65504")
 
 
 def log2_ratio(a: float, b: float) -> float:

@@ -120,6 +120,12 @@ _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-
 
 # A block with per-layer inputs writes a third time; the vision tower's layers and blocks without them write twice.
 _PLE_BLOCK_WRITERS = (*SANDWICH_BLOCK_WRITERS, "post_per_layer_input_norm")
+def _branch_outputs(prefix: str) -> tuple[str, ...]:
+    """What the post-branch norms normalise, for the stress models: no V/O pair names o_proj, and in MoE blocks
+    post_feedforward_layernorm reads a sum of the dense MLP's and the experts' normed outputs."""
+    return (f"{prefix}.layers.{{i}}.self_attn.o_proj", f"{prefix}.layers.{{i}}.mlp.down_proj")
+
+
 # The shrunk copy's widths: MoE blocks' experts, the per-layer inputs, and the global-attention blocks' wider heads
 # (the per_layer_config overrides' head_dim).
 _SHRINK_WIDTHS = {**MOE_WIDTHS, "hidden_size_per_layer_input": 8, "global_head_dim": 32}
@@ -137,6 +143,7 @@ GEMMA4_TEXT = Family(
     unfixable=_UNFIXABLE,
     residual_writers=(_PLE_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
     shrink_widths=_SHRINK_WIDTHS,
+    stress=StressHint(rows=_branch_outputs("model")),
 )
 
 V = "model.vision_tower"
@@ -180,6 +187,6 @@ GEMMA4 = Family(
                            "only its projector moves); the vision tower's stream where it clamps (use_clipped_linears) "
                            "or standardises (standardize) with stored bounds",
     shrink_widths=_SHRINK_WIDTHS,
-    stress=StressHint(towers=(V, "model.audio_tower")),  # the stress blows up the language model's stream only
+    stress=StressHint(towers=(V, "model.audio_tower"), rows=_branch_outputs("model.language_model")),
 )
 FAMILIES = (GEMMA4_TEXT, GEMMA4)

@@ -150,14 +150,18 @@ class StressHint:
         only dominates what its norm renormalises): the stress grows these norms' gains instead.
     reads: in post-norm families, the projections whose products read the stream directly (queries and keys):
         the stress shrinks their input columns on the channels it grows, as trained models keep attention logits
-        moderate on their massive channels."""
+        moderate on their massive channels.
+    rows: Linears whose rows on the grown channels grow with the block's writers, where the stress cannot find
+        them by running the model: a sandwich norm that normalises a sum of branches (Gemma 4's MoE blocks)
+        rather than one branch's output projection."""
 
     towers: tuple[str, ...] = ()
     norms: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
 
     def __post_init__(self):
-        for template in (*self.towers, *self.norms, *self.reads):
+        for template in (*self.towers, *self.norms, *self.reads, *self.rows):
             if any(p != BLOCK for p in placeholders(template)):
                 raise ValueError(f"StressHint: {template!r} may hold {BLOCK} only")
         if bool(self.norms) != bool(self.reads):
