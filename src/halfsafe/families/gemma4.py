@@ -120,18 +120,19 @@ _UNFIXABLE = ("gate_proj (and the experts' gate rows, per_layer_input_gate) pre-
 
 # A block with per-layer inputs writes a third time; the vision tower's layers and blocks without them write twice.
 _PLE_BLOCK_WRITERS = (*SANDWICH_BLOCK_WRITERS, "post_per_layer_input_norm")
-def _branch_outputs(prefix: str) -> tuple[str, ...]:
-    """What the post-branch norms normalise, for the stress models: no V/O pair names o_proj, and in MoE blocks
-    post_feedforward_layernorm reads a sum of the dense MLP's and the experts' normed outputs."""
-    return (f"{prefix}.layers.{{i}}.self_attn.o_proj", f"{prefix}.layers.{{i}}.mlp.down_proj")
-
-
-# The shrunk copy's widths: MoE blocks' experts, the per-layer inputs, and the global-attention blocks' wider heads
-# (the per_layer_config overrides' head_dim).
-_SHRINK_WIDTHS = {**MOE_WIDTHS, "hidden_size_per_layer_input": 8, "global_head_dim": 32}
 # The audio tower's conformer layers (only hooked by the run-time baselines: no rescale moves the audio stream).
 _AUDIO_BLOCK_WRITERS = ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end",
                         "feed_forward2.post_layer_norm")
+# The shrunk copy's widths: MoE blocks' experts, the per-layer inputs, and the global-attention blocks' wider heads
+# (the per_layer_config overrides' head_dim).
+_SHRINK_WIDTHS = {**MOE_WIDTHS, "hidden_size_per_layer_input": 8, "global_head_dim": 32}
+
+
+def _branch_outputs(prefix: str) -> tuple[str, ...]:
+    """What the post-branch norms normalise, for the stress models (Family.stress): no V/O pair names o_proj, and
+    in MoE blocks post_feedforward_layernorm reads a sum of the dense MLP's and the experts' normed outputs."""
+    return (f"{prefix}.layers.{{i}}.self_attn.o_proj", f"{prefix}.layers.{{i}}.mlp.down_proj")
+
 
 _TEXT_RESIDUAL, _TEXT_PAIRS = _language_model("model")
 GEMMA4_TEXT = Family(
