@@ -138,7 +138,7 @@ BELOW_10X = {"gemma": "ordinary channels near fp16 subnormals (measured 8.6x)",
                                  if k in BELOW_10X else k for k in KEYS])
 def test_activation_overflow_converts_finite_and_beats_bf16(key):
     """A model whose activations (never its weights) pass 65504, shaped like a real bf16 model (massive
-    channels growing with depth; tests/stress.py, independent of halfsafe's rescaling code): plain fp16
+    channels growing with depth; tests/stress.py, from the family data, not by the rescaling code): plain fp16
     overflows; converted, it runs finite on other text and at least 10x closer to fp32 than bf16 does."""
     model = make_tiny(key)
     calib, held = tiny_ids(model, length=16, seed=1), tiny_ids(model, length=32, seed=2)

@@ -1,11 +1,13 @@
-"""The family registry: every data module listed once, family modules independent of each other, mistakes in
-the data caught when the table is built, and the residual writers each family lists found in its models."""
+"""The family registry: every data module of the package found, family modules independent of each other, mistakes
+in the data (and a module of the package holding none) caught when the table is built, and the residual writers
+each family lists found in its models."""
 
 from __future__ import annotations
 
 import ast
 import pkgutil
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -17,21 +19,34 @@ import halfsafe.families as families
 from halfsafe.core.sites import find_blocks
 from halfsafe.errors import HalfsafeError, UnsupportedModelError
 from halfsafe.families import REFUSED, REGISTRY, family_for, supported_model_types
-from halfsafe.families.registry import FAMILY_MODULES, FamilyDataError, build, load_modules
-from halfsafe.families.spec import Family, GroupSpec, Move
+from halfsafe.families.registry import FamilyDataError, build, family_modules, load_modules
+from halfsafe.families.spec import Family, GroupSpec, Move, StressHint
 from halfsafe.runtime.baselines import residual_writers
 
 PACKAGE = Path(families.__file__).parent
 NOT_DATA = {"__init__", "spec", "builders", "registry"}
 
 
-def test_every_data_module_is_listed_once():
+def test_every_data_module_of_the_package_is_found_once_in_order():
     on_disk = {m.name for m in pkgutil.iter_modules([str(PACKAGE)])} - NOT_DATA
-    assert sorted(FAMILY_MODULES) == sorted(on_disk)
+    assert family_modules() == tuple(sorted(on_disk))
+    every = {f.name for f in REGISTRY.values()} | set(REFUSED)
+    assert {"llama", "gemma3_text", "t5", "gemma3n"} <= every  # one of each kind of module, registered
+
+
+def test_a_module_of_the_package_without_data_fails_naming_it(monkeypatch, tmp_path):
+    (tmp_path / "helpers.py").write_text('"""Helpers shared by families, put beside them instead of in builders.py."""\n')
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    try:
+        assert "helpers" in family_modules()
+        with pytest.raises(FamilyDataError, match=r"halfsafe\.families\.helpers defines no FAMILY.*builders\.py"):
+            build(load_modules())
+    finally:
+        sys.modules.pop("halfsafe.families.helpers", None)
 
 
 def test_family_modules_import_only_the_vocabulary_and_the_builders():
-    for name in FAMILY_MODULES:
+    for name in family_modules():
         tree = ast.parse((PACKAGE / f"{name}.py").read_text())
         relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
         assert {node.module for node in relative} <= {"spec", "builders"}, name
@@ -86,12 +101,19 @@ def test_writer_sets_are_checked_where_the_family_is_written():
         _family("a", "x", writers=("o_proj", "down_proj"))
 
 
+def test_stress_hints_are_checked_where_the_family_is_written():
+    with pytest.raises(ValueError, match="may hold"):  # a tower is a module, not a pair of blocks
+        StressHint(towers=("model.layers.{i+1}",))
+    with pytest.raises(ValueError, match="names both"):  # post-norm: the norms that write and what reads them
+        StressHint(norms=("encoder.layer.{i}.output.LayerNorm",))
+
+
 def test_unknown_and_refused_model_types_fail_with_the_fix():
     with pytest.raises(UnsupportedModelError) as e:
         family_for("no_such_model")
     text = str(e.value)
     assert "'no_such_model'" in text and ", ".join(supported_model_types()) in text
-    assert "families/<name>.py" in text and "families/registry.py" in text
+    assert "families/<name>.py" in text
     assert REFUSED, "gemma3n is refused with a reason"
     for model_type, reason in REFUSED.items():
         with pytest.raises(UnsupportedModelError, match="^" + re.escape(reason[:40])):

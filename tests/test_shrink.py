@@ -226,3 +226,14 @@ def test_a_config_that_cannot_be_shrunk_falls_back_to_the_model(caplog):
         governed = probe_governed(model, family, groups, ids)
     assert "partial_rotary_factor" in caplog.text and "probing the model itself" in caplog.text
     assert governed == probe(model, family, groups, ids)
+
+
+def test_a_family_width_is_read_from_its_data():
+    """A width only one family's configs name (DeepSeek's MLA ranks) comes from that family's `shrink_widths`,
+    merged over the shared WIDTHS: without it the field keeps the model's value, with it the field takes it."""
+    config = DeepseekV3Config(**{**TINY["deepseek_v3"]().to_dict(), "kv_lora_rank": 64, "hidden_size": 128})
+    family = family_for("deepseek_v3")
+    assert shrunk_config(config).kv_lora_rank == family.shrink_widths["kv_lora_rank"] == 16
+    assert shrunk_config(config, family=replace(family, shrink_widths={**family.shrink_widths, "kv_lora_rank": 8})).kv_lora_rank == 8
+    bare = shrunk_config(config, family=replace(family, shrink_widths={}))
+    assert bare.kv_lora_rank == 64 and bare.hidden_size == 32  # the shared widths still shrink

@@ -13,7 +13,7 @@ class, and its flag-like attributes (bools and strings: `is_sliding`, `layer_typ
 `store_full_length_kv`, ...); a dense and an MoE block differ by their MLP's class. Where the family has groups
 spanning two blocks (`{i+1}`), consecutive pairs of kinds must be covered too.
 
-The widths to shrink are data (`WIDTHS` and the tables below it). A config that cannot be shrunk consistently
+The widths to shrink are data (`WIDTHS` and the tables below it, and each family's `shrink_widths`). A config that cannot be shrunk consistently
 fails `shrunk_config` with one line naming the field; `probe_governed` then probes the real model as before and
 logs why.
 """
@@ -29,7 +29,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import UnsupportedModelError
-from ..families import Family
+from ..families import REGISTRY, Family
 from .groups import Group, expand
 from .probe import probe
 from .sites import Site, block_of, find_blocks
@@ -37,28 +37,21 @@ from .stats import is_fused_experts
 
 log = logging.getLogger(__name__)
 
-# Config field -> the size it is shrunk to (never grown: a field already smaller keeps its value).
+# Config field -> the size it is shrunk to (never grown: a field already smaller keeps its value). The widths every
+# family shares; a family's own (multi-head latent attention, experts, per-layer inputs) are in its data
+# (`Family.shrink_widths`), merged over these by `widths_of`.
 WIDTHS = {
     # model width
     "hidden_size": 32, "n_embd": 32, "d_model": 32, "embed_dim": 32, "out_hidden_size": 32,
     # MLP widths
     "intermediate_size": 64, "ffn_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "n_inner": 64,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     # attention
     "num_attention_heads": 2, "n_head": 2, "num_heads": 2, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
-    "head_dim": 16, "d_kv": 16, "global_head_dim": 32,
-    # multi-head latent attention (DeepSeek)
-    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 16,
-    # Gemma 3n / 4 per-layer inputs
-    "hidden_size_per_layer_input": 8,
-    # experts: counts, and how many each token takes (kept <= the count)
-    "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
-    "num_experts_per_tok": 2, "top_k_experts": 2, "experts_per_token": 2,
-    "n_group": 2, "topk_group": 1,
+    "head_dim": 16, "d_kv": 16,
 }
 HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
 KV_HEAD_FIELDS = ("num_key_value_heads", "num_global_key_value_heads", "multi_query_group_num")
-EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
+EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")  # how many experts: top-k is kept <= it
 TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "experts_per_token")
 WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model")
 # Block counts: cut to the first L-1 blocks and the last one; the per-block lists, block-index lists and
@@ -75,13 +68,18 @@ def _shrink(value, target: int) -> int:
     return min(value, target) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def _shrink_dict(d: dict, layers: int, path: str) -> dict:
+def widths_of(family: Family | None) -> dict[str, int]:
+    """Config field -> shrunk size for a model of `family`: the shared `WIDTHS`, and the family's own over them."""
+    return {**WIDTHS, **(family.shrink_widths if family is not None else {})}
+
+
+def _shrink_dict(d: dict, layers: int, path: str, widths: dict[str, int]) -> dict:
     d = dict(d)
     for k, v in list(d.items()):
         if isinstance(v, dict) and "model_type" in v:  # a sub-config (text, vision, audio, encoder, decoder)
-            d[k] = _shrink_dict(v, layers, f"{path}{k}.")
+            d[k] = _shrink_dict(v, layers, f"{path}{k}.", widths)
     heads_before = {f: d[f] for f in HEAD_FIELDS if isinstance(d.get(f), int)}
-    for f, target in WIDTHS.items():
+    for f, target in widths.items():
         if f in d:
             d[f] = _shrink(d[f], target)
     for f in KV_HEAD_FIELDS:
@@ -115,7 +113,7 @@ def _shrink_dict(d: dict, layers: int, path: str) -> dict:
         for f in LAYER_DICTS:  # per-block overrides: cut, and their widths shrunk as the config's
             if isinstance(d.get(f), dict):
                 over = {int(k): v for k, v in d[f].items()}
-                d[f] = {i: _shrink_overrides(over[o], heads_before, d) for i, o in enumerate(origin) if o in over}
+                d[f] = {i: _shrink_overrides(over[o], heads_before, d, widths) for i, o in enumerate(origin) if o in over}
         if "attention_types" in d and after < before:  # GPT-Neo: [[pattern, repeats]] must cover the blocks exactly
             (pattern, _), *rest = d["attention_types"]
             if rest or after % len(pattern):
@@ -127,12 +125,12 @@ def _shrink_dict(d: dict, layers: int, path: str) -> dict:
     return d
 
 
-def _shrink_overrides(over, heads_before: dict, d: dict):
+def _shrink_overrides(over, heads_before: dict, d: dict, widths: dict[str, int]):
     if not isinstance(over, dict):
         return over
     over = dict(over)
-    if isinstance(over.get("head_dim"), int):
-        over["head_dim"] = min(over["head_dim"], WIDTHS["global_head_dim"])
+    if isinstance(over.get("head_dim"), int):  # the wider heads of the blocks overridden (Gemma 4's global attention)
+        over["head_dim"] = min(over["head_dim"], widths.get("global_head_dim", widths["head_dim"]))
     kv = over.get("num_key_value_heads")
     if isinstance(kv, int) and heads_before:
         heads, now = next(iter(heads_before.values())), next(d[h] for h in heads_before)
@@ -187,10 +185,12 @@ def _check(d: dict, path: str) -> None:
         d["rotary_dim"] = min(d["rotary_dim"], head)
 
 
-def shrunk_config(config: PretrainedConfig, layers: int = 2) -> PretrainedConfig:
-    """`config` with small widths (`WIDTHS`) and at most `layers` blocks in each block list; raises
-    UnsupportedModelError, naming the field, where that cannot be built consistently."""
-    d = _shrink_dict(config.to_dict(), layers, "")
+def shrunk_config(config: PretrainedConfig, layers: int = 2, family: Family | None = None) -> PretrainedConfig:
+    """`config` with small widths (`widths_of` its family: by default the one registered for its model_type) and at
+    most `layers` blocks in each block list; raises UnsupportedModelError, naming the field, where that cannot be
+    built consistently."""
+    family = family if family is not None else REGISTRY.get(config.model_type)
+    d = _shrink_dict(config.to_dict(), layers, "", widths_of(family))
     try:
         new = type(config).from_dict(d)
     except Exception as e:  # noqa: BLE001 - any config validation error: report it in one line
@@ -295,17 +295,19 @@ def _uncovered(real: dict, small: dict, pairs: bool) -> str | None:
     return None
 
 
-def shrunk_model(model: PreTrainedModel, groups: list[Group] | None = None, seed: int = 0) -> PreTrainedModel:
+def shrunk_model(model: PreTrainedModel, groups: list[Group] | None = None, seed: int = 0,
+                 family: Family | None = None) -> PreTrainedModel:
     """A random float32 model of `model`'s class and config, small widths, and the fewest leading blocks that hold
-    every kind of block `model` has (and every consecutive pair, where `groups` span two blocks). `model` may be
-    on the meta device (a streamed model): only its structure is read."""
+    every kind of block `model` has (and every consecutive pair, where `groups` span two blocks); the widths those
+    of `family` (by default the one registered for its model_type). `model` may be on the meta device (a streamed
+    model): only its structure is read."""
     real = _block_lists(model)
     pairs = groups is not None and _has_spans(groups)
     most = max((len(s) for s in real.values()), default=1)
     why: str | None = "no block lists"
     for layers in range(min(2, most), min(most, MAX_BLOCKS) + 1):
         try:  # some cuts do not build (Gemma 4: a shared-KV block with no block of its type before the cut)
-            config = shrunk_config(model.config, layers)
+            config = shrunk_config(model.config, layers, family)
             why = _uncovered(real, _block_lists(_build(config, type(model), "meta")), pairs)
         except UnsupportedModelError as e:
             why = str(e)
@@ -416,7 +418,7 @@ def probe_governed(model: PreTrainedModel, family: Family, groups: list[Group], 
     """`probe.probe`'s result for `model`, measured on a shrunk random copy (the real model is not run). Where
     no shrunk copy can stand for the model, the model itself is probed, and the log says why."""
     try:
-        small = shrunk_model(model, groups)
+        small = shrunk_model(model, groups, family=family)
         small_groups = expand(family, small)
     except UnsupportedModelError as e:
         log.warning("%s; probing the model itself", e)

@@ -1,7 +1,7 @@
 """Architecture knowledge, one data module per family, looked up by `config.model_type`.
 
-The modules are listed in families/registry.py (adding a family: see there); shared templates and helpers
-live in families/builders.py, the vocabulary in families/spec.py. `REFUSED` holds the model types that no
+Every module of the package is found by families/registry.py (adding a family: see there); shared templates and
+helpers live in families/builders.py, the vocabulary in families/spec.py. `REFUSED` holds the model types that no
 exact rescale covers, with the reason family_for gives for each.
 """
 
@@ -26,7 +26,7 @@ def family_for(model_type: str) -> Family:
     except KeyError:
         raise UnsupportedModelError(
             f"no rescaling data for model_type {model_type!r}; supported: {', '.join(supported_model_types())}. "
-            "To add it, write src/halfsafe/families/<name>.py (see families/llama.py) and list it in families/registry.py"
+            "To add it, write src/halfsafe/families/<name>.py (see families/llama.py and CONTRIBUTING.md)"
         ) from None
 
 

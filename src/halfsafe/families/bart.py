@@ -35,7 +35,7 @@ are already non-finite.
 """
 
 from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_pairs, class_in, linear, norm
-from .spec import EpsScope, Family, GroupSpec, Move, untied_head
+from .spec import EpsScope, Family, GroupSpec, Move, StressHint, untied_head
 
 M = "model"
 ENC, DEC = f"{M}.encoder.layers", f"{M}.decoder.layers"
@@ -87,4 +87,11 @@ FAMILY = Family(
     residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
     eps=(EpsScope((), fixed_value=1e-5),),  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5): each norm whose input moves is matched only approximately",
+    # the streams: the embedding norms' outputs, then each sub-layer's; the decoder's final norms are left out (the
+    # last is what the tied head reads). Every attention's query and key read a stream directly.
+    stress=StressHint(
+        norms=(f"{M}.encoder.layernorm_embedding", f"{_E}.self_attn_layer_norm", f"{_E}.final_layer_norm",
+               f"{M}.decoder.layernorm_embedding", f"{_D}.self_attn_layer_norm", f"{_D}.encoder_attn_layer_norm"),
+        reads=tuple(f"{layer}.{attn}.{p}_proj" for layer, attn in ((_E, "self_attn"), (_D, "self_attn"), (_D, "encoder_attn"))
+                    for p in "qk")),
 )

@@ -32,7 +32,7 @@ cross-attention, which this data does not move; every other group stays exact th
 """
 
 from .builders import class_in, linear, norm
-from .spec import Family, GroupSpec, Move, tied_head
+from .spec import Family, GroupSpec, Move, StressHint, tied_head
 
 
 def _reads(layer: str) -> tuple[Move, ...]:
@@ -87,6 +87,9 @@ def encoder_family(name: str, base: str, head_norm: str, final_readers: dict[str
                    "intermediate with output.dense); raw QK^T logits under eager attention"),
         residual_writers=(("attention.output.dense", "output.dense"),),  # post-norm: LayerNorm(write + residual)
         notes="each moved LayerNorm input sees its eps as eps / c**2 (layer_norm_eps 1e-12: negligible)",
+        # the stream: the embedding LayerNorm's output, then each sub-layer's; read by every layer's query and key
+        stress=StressHint(norms=(f"{emb}.LayerNorm", f"{L}.attention.output.LayerNorm", f"{L}.output.LayerNorm"),
+                           reads=(f"{L}.attention.self.query", f"{L}.attention.self.key")),
     )
 
 

@@ -1,7 +1,7 @@
 """Move helpers and group templates that several family modules share.
 
 Family modules import from here and from spec only, never from each other: a family's data then reads on its
-own, and the registry (families/registry.py) can list every module without caring about import order.
+own, and the registry (families/registry.py) can import every module it finds without caring about order.
 The math behind each template is written up in the docstring of the family module that introduced it
 (families/llama.py, mixtral.py, t5.py, bart.py, gemma.py, t5gemma.py).
 """
@@ -59,6 +59,12 @@ T5_DECODER_WRITERS = ("layer.0.SelfAttention.o", "layer.1.EncDecAttention.o", "l
 BART_DECODER_WRITERS = ("self_attn.out_proj", "encoder_attn.out_proj", "fc2")
 BART_ENCODER_WRITERS = ("self_attn.out_proj", "fc2")
 T5GEMMA_SELF_WRITERS = ("post_self_attn_layernorm", "post_feedforward_layernorm")  # a block without cross-attention
+
+# -- widths of the shrunk copy the probe runs on (Family.shrink_widths) that mixture-of-experts configs name ----
+# The expert counts (one name or another), how many experts each token takes (kept <= the count), their MLP widths.
+MOE_WIDTHS = {"num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "top_k_experts": 2, "experts_per_token": 2,
+              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
 
 
 # -- Llama-style decoders (families/llama.py, qwen3.py) -------------------------------------------------------
@@ -157,6 +163,7 @@ def moe_family(name: str, model_types: tuple[str, ...], intermediate: str, share
         unfixable=unfixable or ("gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs "
                                 "(SiLU is not homogeneous); raw QK^T logits under eager attention"),
         residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # dense layers (mlp_only_layers) and MoE layers
+        shrink_widths=MOE_WIDTHS,
     )
 
 

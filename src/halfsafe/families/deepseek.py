@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .builders import LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS, expert_up_down, mlp_up_down, moe_residual
+from .builders import LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS, MOE_WIDTHS, expert_up_down, mlp_up_down, moe_residual
 from .spec import EpsScope, Family, GroupSpec, Move
 
 A = "model.layers.{i}.self_attn"
@@ -66,4 +66,7 @@ FAMILY = Family(
     residual_writers=(LLAMA_BLOCK_WRITERS, MOE_BLOCK_WRITERS),  # the first_k_dense_replace dense layers, then MoE
     unfixable="gate pre-activations of every expert (scanned per expert) and of dense and shared MLPs (SiLU is not "
               "homogeneous); raw QK^T logits under eager attention",
+    # MLA's widths (per-head nope/rope/v dims, the latent ranks) and the routers' expert groups, in the shrunk copy
+    shrink_widths={**MOE_WIDTHS, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16,
+                   "q_lora_rank": 16, "n_group": 2, "topk_group": 1},
 )

@@ -17,7 +17,7 @@ never runs: the tower groups then do not apply (no Gemma 3 checkpoint has one).
 """
 
 from .builders import SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS, biased, gemma_pairs, gemma_sandwich
-from .spec import EpsScope, Family, GroupSpec, Move
+from .spec import EpsScope, Family, GroupSpec, Move, StressHint
 
 LM = "model.language_model"
 VT = "model.vision_tower"
@@ -56,4 +56,5 @@ FAMILY = Family(
     residual_writers=(SANDWICH_BLOCK_WRITERS, SIGLIP_BLOCK_WRITERS),
     notes="calibration runs one synthetic image (a gradient, forward.image_prompt) before the text, so the tower is "
           "scanned, probed and checked with the language model",
+    stress=StressHint(towers=(VT,)),  # the stress blows up the language model's stream only
 )

@@ -50,8 +50,8 @@ towers). What transformers' modeling_gemma4.py computes, and what follows for ex
   to +-65504 in fp16. Its projector (embed_audio) writes into the language model and moves with s.
 """
 
-from .builders import SANDWICH_BLOCK_WRITERS, biased, up_half
-from .spec import EpsScope, Family, GroupSpec, Move, tied_head
+from .builders import MOE_WIDTHS, SANDWICH_BLOCK_WRITERS, biased, up_half
+from .spec import EpsScope, Family, GroupSpec, Move, StressHint, tied_head
 
 
 def _text(model):
@@ -123,6 +123,16 @@ _PLE_BLOCK_WRITERS = (*SANDWICH_BLOCK_WRITERS, "post_per_layer_input_norm")
 # The audio tower's conformer layers (only hooked by the run-time baselines: no rescale moves the audio stream).
 _AUDIO_BLOCK_WRITERS = ("feed_forward1.post_layer_norm", "norm_post_attn", "lconv1d.linear_end",
                         "feed_forward2.post_layer_norm")
+# The shrunk copy's widths: MoE blocks' experts, the per-layer inputs, and the global-attention blocks' wider heads
+# (the per_layer_config overrides' head_dim).
+_SHRINK_WIDTHS = {**MOE_WIDTHS, "hidden_size_per_layer_input": 8, "global_head_dim": 32}
+
+
+def _branch_outputs(prefix: str) -> tuple[str, ...]:
+    """What the post-branch norms normalise, for the stress models (Family.stress): no V/O pair names o_proj, and
+    in MoE blocks post_feedforward_layernorm reads a sum of the dense MLP's and the experts' normed outputs."""
+    return (f"{prefix}.layers.{{i}}.self_attn.o_proj", f"{prefix}.layers.{{i}}.mlp.down_proj")
+
 
 _TEXT_RESIDUAL, _TEXT_PAIRS = _language_model("model")
 GEMMA4_TEXT = Family(
@@ -133,6 +143,8 @@ GEMMA4_TEXT = Family(
     eps=(EpsScope(("rms_norm_eps",)),),
     unfixable=_UNFIXABLE,
     residual_writers=(_PLE_BLOCK_WRITERS, SANDWICH_BLOCK_WRITERS),
+    shrink_widths=_SHRINK_WIDTHS,
+    stress=StressHint(rows=_branch_outputs("model")),
 )
 
 V = "model.vision_tower"
@@ -169,5 +181,7 @@ GEMMA4 = Family(
                            "norms hard-code eps 1e-6 instead of reading the config, so no checkpoint can move their eps: "
                            "only its projector moves); the vision tower's stream where it clamps (use_clipped_linears) "
                            "or standardises (standardize) with stored bounds",
+    shrink_widths=_SHRINK_WIDTHS,
+    stress=StressHint(towers=(V, "model.audio_tower"), rows=_branch_outputs("model.language_model")),
 )
 FAMILIES = (GEMMA4_TEXT, GEMMA4)

@@ -17,7 +17,7 @@ stream and does not move.
   limit 7), so gpt-oss's experts cannot overflow float16 there.
 """
 
-from .builders import EXPERTS, MOE_BLOCK_WRITERS, biased, decoder_attention_pairs
+from .builders import EXPERTS, MOE_BLOCK_WRITERS, MOE_WIDTHS, biased, decoder_attention_pairs
 from .spec import EpsScope, Family, GroupSpec, Move, tied_head
 
 L = "model.layers.{i}"
@@ -39,4 +39,5 @@ FAMILY = Family(
     residual_writers=(MOE_BLOCK_WRITERS,),
     unfixable="experts' gate_up pre-activations (clamped SwiGLU with up + 1: no scale passes through it; a gate "
               "pre-activation of -inf gives NaN); raw QK^T logits under eager attention",
+    shrink_widths=MOE_WIDTHS,
 )

@@ -28,7 +28,7 @@ The language model's eps moves by s**2 with its residual group; the tower's norm
 """
 
 from .builders import LLAMA_BLOCK_WRITERS, biased
-from .spec import EpsScope, Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, StressHint, tied_head
 
 L = "model.language_model.layers.{i}"
 VIS = "model.visual"
@@ -88,6 +88,7 @@ def _family(name: str, model_type: str, mlp_out: str, gated: bool) -> Family:
         unfixable=(f"gate_proj pre-activations (SiLU is not homogeneous); the vision tower's {vision_mlp} and its "
                    "merger's mlp.0 pre-activations (GELU); raw QK^T logits under eager attention; the vision "
                    "residual moves only up to its norms' fixed eps (1e-6 / s**2)"),
+        stress=StressHint(towers=(VIS,)),  # the stress blows up the language model's stream only
     )
 
 

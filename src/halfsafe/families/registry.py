@@ -1,54 +1,40 @@
-"""Every module of family data, one line each, and the model_type -> Family table built from them.
+"""Every module of family data, found in the package, and the model_type -> Family table built from them.
 
 Adding a family: write `families/<name>.py` defining `FAMILY = Family(...)` (or `FAMILIES = (...)` for several),
-and/or `REFUSED = {model_type: reason}` for architectures no exact rescale covers; then add its line below and
-tiny configs for its model types in tests/tiny/<name>.py. The table is checked as it is built: a mistake in
-the data stops the import of halfsafe.families with a message naming the module.
+and/or `REFUSED = {model_type: reason}` for architectures no exact rescale covers, and tiny configs for its model
+types in tests/tiny/<name>.py. Every module of the package but the vocabulary, the builders, this one and the
+package's own is family data (`family_modules`), so nothing else lists it. The table is checked as it is built: a
+mistake in the data, or a module that holds none, stops the import of halfsafe.families with a message naming
+the module.
 """
 
 from __future__ import annotations
 
+import pkgutil
 from importlib import import_module
 from types import ModuleType
 
 from .spec import Family
 
-FAMILY_MODULES = (
-    "bart",
-    "bert",
-    "deepseek",
-    "gemma",
-    "gemma3",
-    "gemma3n",
-    "gemma4",
-    "glm4",
-    "gpt2",
-    "gpt_neo",
-    "gpt_neox",
-    "gpt_oss",
-    "llama",
-    "longt5",
-    "mixtral",
-    "pegasus",
-    "phi3",
-    "qwen2_moe",
-    "qwen2_vl",
-    "qwen3",
-    "qwen3_moe",
-    "t5",
-    "t5gemma",
-    "t5gemma2",
-)
+NOT_DATA = ("builders", "registry", "spec")  # the package's modules that hold no family (and its __init__)
 
 
 class FamilyDataError(ValueError):
     """The family data contradicts itself (a model_type claimed twice, a module with no family, ...)."""
 
 
-def load_modules(names: tuple[str, ...] = FAMILY_MODULES) -> list[ModuleType]:
+def family_modules() -> tuple[str, ...]:
+    """Every family data module of the package, by name, sorted: the table is built in one order everywhere."""
+    found = (m.name for m in pkgutil.iter_modules(import_module(__package__).__path__))
+    return tuple(sorted(name for name in found if name not in NOT_DATA and not name.startswith("_")))
+
+
+def load_modules(names: tuple[str, ...] | None = None) -> list[ModuleType]:
+    """The family data modules `names` (every one in the package: `family_modules`), imported."""
+    names = family_modules() if names is None else names
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise FamilyDataError(f"family modules listed twice in families/registry.py: {', '.join(repeated)}")
+        raise FamilyDataError(f"family modules listed twice: {', '.join(repeated)}")
     return [import_module(f"{__package__}.{name}") for name in names]
 
 
@@ -58,7 +44,8 @@ def _families_of(module: ModuleType) -> tuple[Family, ...]:
         raise FamilyDataError(f"{where} defines both FAMILY and FAMILIES: keep one")
     families = module.FAMILIES if hasattr(module, "FAMILIES") else (module.FAMILY,) if hasattr(module, "FAMILY") else ()
     if not families and not getattr(module, "REFUSED", None):
-        raise FamilyDataError(f"{where} defines no FAMILY, FAMILIES or REFUSED: it has no data to register")
+        raise FamilyDataError(f"{where} defines no FAMILY, FAMILIES or REFUSED: it has no data to register (every module "
+                              "of halfsafe/families is family data; helpers shared by families go in builders.py)")
     for family in families:
         if not isinstance(family, Family):
             raise FamilyDataError(f"{where}: {family!r} is not a Family")

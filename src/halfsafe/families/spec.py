@@ -184,6 +184,37 @@ def _check_own_eps(group: GroupSpec) -> None:
 
 
 @dataclass(frozen=True)
+class StressHint:
+    """What tests/stress.py, which builds models whose activations overflow float16 from the family data, cannot
+    read from the rest of it. Module names as templates name parameters, holding `{i}` (every block) or no
+    placeholder.
+
+    towers: modules holding a tower beside the language model (vision, audio), whose own residual streams the
+        stress leaves as they are: it blows up the language model's, as bf16 training does.
+    norms: in post-norm families, the norms whose outputs are the residual stream. Each branch's write is added
+        to the stream and the sum normalised (LN(h + write)), so residual_writers cannot grow it (a grown write
+        only dominates what its norm renormalises): the stress grows these norms' gains instead.
+    reads: in post-norm families, the projections whose products read the stream directly (queries and keys):
+        the stress shrinks their input columns on the channels it grows, as trained models keep attention logits
+        moderate on their massive channels.
+    rows: Linears whose rows on the grown channels grow with the block's writers, where the stress cannot find
+        them by running the model: a sandwich norm that normalises a sum of branches (Gemma 4's MoE blocks)
+        rather than one branch's output projection."""
+
+    towers: tuple[str, ...] = ()
+    norms: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for template in (*self.towers, *self.norms, *self.reads, *self.rows):
+            if any(p != BLOCK for p in placeholders(template)):
+                raise ValueError(f"StressHint: {template!r} may hold {BLOCK} only")
+        if bool(self.norms) != bool(self.reads):
+            raise ValueError("StressHint: a post-norm family names both the norms writing its stream and what reads it")
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -206,6 +237,11 @@ class Family:
     residual_writers: tuple[tuple[str, ...], ...] = ()
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    # Config field -> the size it takes in the shrunk random copy the probe runs on (core/shrink.py), for widths only
+    # this family's configs name (multi-head latent attention, experts, per-layer inputs), in any of the model's
+    # configs; merged over shrink.WIDTHS, the widths every family shares. A field already smaller keeps its value.
+    shrink_widths: dict[str, int] = field(default_factory=dict)
+    stress: StressHint = StressHint()  # for the stress models of tests/stress.py: see StressHint
 
     def __post_init__(self):
         names = [g.name for g in self.groups]

@@ -74,4 +74,5 @@ FAMILY = Family(
                       T5GEMMA_SELF_WRITERS),  # encoder
     unfixable="gate_proj pre-activations (GELU is not homogeneous); raw QK^T logits under eager attention "
               "(soft-capped at 50 after the matmul)",
+    one_plus_norm_gains=True,  # T5GemmaRMSNorm: x * (1 + w), as Gemma's
 )

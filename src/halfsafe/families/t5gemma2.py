@@ -27,7 +27,7 @@ Trap (as Gemma 2/3): s(1+w)-1 stored in 16 bits rounds, more as s shrinks; the p
 """
 
 from .builders import SIGLIP_BLOCK_WRITERS, T5GEMMA_SELF_WRITERS, biased, gain, t5gemma_up_down
-from .spec import EpsScope, Family, GroupSpec, Move, tied_head
+from .spec import EpsScope, Family, GroupSpec, Move, StressHint, tied_head
 
 ENC, DEC = "model.encoder.text_model.layers.{i}", "model.decoder.layers.{i}"
 EMB = "model.encoder.text_model.embed_tokens"
@@ -81,4 +81,6 @@ FAMILY = Family(
     unfixable=("gate_proj pre-activations (GELU is not homogeneous); the vision tower's residual stream (its "
                "LayerNorm eps is a separate config field) and fc1 pre-activations (GELU); raw QK^T logits under "
                "eager attention"),
+    one_plus_norm_gains=True,  # T5Gemma2RMSNorm: x * (1 + w), as Gemma's
+    stress=StressHint(towers=(VIS,)),  # the stress blows up the language model's stream only
 )
