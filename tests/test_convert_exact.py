@@ -484,8 +484,8 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
         ("check", ("out", False), {"inputs": input_paths("src")}),
         ("load", ("src",), {"stream": True, "device": "auto"}),
         ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
+        ("samples", ([default_text()], "TOK", 300, 256, 2), {}),  # cut before the work, as for every command (halfsafe.job)
         ("apply", (m, plan), {}),
-        ("samples", ([default_text()], "TOK", 300, 256, 2), {}),
         ("scan", (m, [r.sample]), {"fp16_check": True, "progress": True, "name": "src"}),
     ]
     if not safe:  # never saved: the scan found it not fp16-safe
@@ -500,7 +500,7 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
             "scan_after": {"fp16_safe": safe, "first_nonfinite_fp16": None if safe else "y:out", "peak_site": "x:out",
                            "headroom_bits": bits, "margin_kept": kept}, "tensor_storage": []}
     saved = r.calls[-1][1][3]  # the record, as halfsafe.json will hold it
-    assert r.calls == [*steps, ("save", (m, "TOK again", "out", saved, Path("/the/source"), False), {"progress": True})]
+    assert r.calls == [*steps, ("save", (m, "TOK again", "out", saved, Path("/the/source"), False, shard_size(DEFAULT_MAX_SHARD_SIZE), True), {})]
     assert saved.to_dict() == {**Versions.current().to_dict(), **info}
 
 
@@ -512,10 +512,10 @@ def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_pat
     apply_checkpoint(tmp_path / "plan.json", Path("src"), "out", texts=["t"], seq_len=32, max_samples=None, overwrite=True,
                      progress=False, stream=False, device="cpu")
     assert [c[:2] for c in r.calls[:5]] == [("check", ("out", True)), ("load", (Path("src"),)), ("check", ("out", True, 12345)),
-                                            ("apply", (m, plan)), ("samples", (["t"], "TOK", 300, 32, None))]
+                                            ("samples", (["t"], "TOK", 300, 32, None)), ("apply", (m, plan))]
     assert r.calls[1][2] == {"stream": False, "device": "cpu"}
     assert r.calls[5][2] == {"fp16_check": True, "progress": False, "name": "src"}
-    assert r.calls[6][1][3].source == "src" and r.calls[6][1][5] is True and r.calls[6][2] == {"progress": False}
+    assert r.calls[6][1][3].source == "src" and r.calls[6][1][5:] == (True, shard_size(DEFAULT_MAX_SHARD_SIZE), False)
     # a plan that cannot be read fails after the first output check, before loading
     r.calls.clear()
     with pytest.raises(HalfsafeError, match="cannot read a plan"):

@@ -30,6 +30,7 @@ from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import family_for
 from .io.report import Applied, Conversion, Record, ScanAfter
+from .job import Job, Options, Output, run
 from .progress import phase, recorded
 from .runtime.profiles import get_profile
 from .scan import ScanReport, scan
@@ -422,27 +423,26 @@ def convert_checkpoint(
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
     from .calibration import long_sample_ids
-    from .io.checkpoint import save_fp16_checkpoint, shard_size
-    from .job import calibration, check_output, start
 
-    check_output(source, out, overwrite)  # the output, then the options, before the slow part
-    check_options(max_context, headroom_bits)
-    profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}  # an unknown profile fails here too
-    check_arith(fp16_arith)
-    max_shard_size = shard_size(max_shard_size)
-    if long_sample is not None and long_sample < 2:
-        raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
-    loaded = start(source, out, overwrite, stream, device, progress)
+    def check() -> None:
+        check_options(max_context, headroom_bits)
+        get_profile(runtime)  # an unknown profile fails here
+        check_arith(fp16_arith)
+        if long_sample is not None and long_sample < 2:
+            raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
+
+    def work(job: Job) -> Output[ConversionReport]:
+        profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}
+        model = job.loaded.model
+        report = make_fp16_safe(model, job.samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable,
+                                progress=progress, max_context=max_context, fp16_arith=fp16_arith, **profiled)
+        check_storage(report.storage, "refusing to save (please report this)")
+        # halfsafe.json, written after the weights, counts their read
+        return Output(report, lambda: report.record(str(source)), report.reads.phase(model, "write"))
+
+    options = Options(overwrite, stream, device, progress, texts, seq_len, max_samples, max_shard_size)
     # the long sample goes last: samples[0] stays the probe/eval input
-    job = calibration(loaded, texts, seq_len, max_samples, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None)
-    samples, tokenizer = job.samples, job.tokenizer
-    report = make_fp16_safe(loaded.model, samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable, progress=progress,
-                            max_context=max_context, fp16_arith=fp16_arith, **profiled)
-    check_storage(report.storage, "refusing to save (please report this)")
-    with report.reads.phase(loaded.model, "write"):  # halfsafe.json, written after the weights, counts their read
-        save_fp16_checkpoint(loaded.model, tokenizer(), out, lambda: report.record(str(source)), loaded.folder, overwrite,
-                             max_shard_size, progress)
-    return report
+    return run(source, out, options, work, check, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None)
 
 
 def apply_checkpoint(
@@ -453,24 +453,23 @@ def apply_checkpoint(
     architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. Refused, with
     nothing written, when the plan would ruin a tensor's fp16 copy or the scan finds the result not fp16-safe (a
     fine-tune can grow activations); the returned scan says whether the plan's margin was kept."""
-    from .io.checkpoint import save_fp16_checkpoint
-    from .job import calibration, check_output, start
+    plans: list[Plan] = []
 
-    check_output(source, out, overwrite)
-    plan = Plan.load(plan_path)
-    loaded = start(source, out, overwrite, stream, device, progress)
-    storage = apply_measured_(loaded.model, plan)
-    check_storage(storage, f"this plan does not suit these weights; nothing was written. Run `halfsafe convert {source} OUT` instead")
-    job = calibration(loaded, texts, seq_len, max_samples)
-    samples, tokenizer = job.samples, job.tokenizer
-    after = scan(loaded.model, samples, fp16_check=True, progress=progress, name=str(source))
-    peak = after.peak
-    if not after.fp16_safe or after.first_nonfinite_fp16 is not None:  # never saved, never called safe
-        where = f", first non-finite fp16 module {after.first_nonfinite_fp16}" if after.first_nonfinite_fp16 else ""
-        raise HalfsafeError(f"not fp16-safe after the plan: peak {peak.abs_max:.4g} at {peak.name}{where}; this checkpoint's "
-                            f"activations outgrew the plan and nothing was written. Run `halfsafe convert {source} OUT` instead")
-    scanned = ScanAfter(after.fp16_safe, after.first_nonfinite_fp16, peak.name, peak.headroom_bits,
-                        margin_kept=peak.headroom_bits >= plan.headroom_bits)
-    record = Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage))
-    save_fp16_checkpoint(loaded.model, tokenizer(), out, record, loaded.folder, overwrite, progress=progress)
-    return plan, after
+    def check() -> None:
+        plans.append(Plan.load(plan_path))
+
+    def work(job: Job) -> Output[tuple[Plan, ScanReport]]:
+        model, plan = job.loaded.model, plans[0]
+        storage = apply_measured_(model, plan)
+        check_storage(storage, f"this plan does not suit these weights; nothing was written. Run `halfsafe convert {source} OUT` instead")
+        after = scan(model, job.samples, fp16_check=True, progress=progress, name=str(source))
+        peak = after.peak
+        if not after.fp16_safe or after.first_nonfinite_fp16 is not None:  # never saved, never called safe
+            where = f", first non-finite fp16 module {after.first_nonfinite_fp16}" if after.first_nonfinite_fp16 else ""
+            raise HalfsafeError(f"not fp16-safe after the plan: peak {peak.abs_max:.4g} at {peak.name}{where}; this checkpoint's "
+                                f"activations outgrew the plan and nothing was written. Run `halfsafe convert {source} OUT` instead")
+        scanned = ScanAfter(after.fp16_safe, after.first_nonfinite_fp16, peak.name, peak.headroom_bits,
+                            margin_kept=peak.headroom_bits >= plan.headroom_bits)
+        return Output((plan, after), Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage)))
+
+    return run(source, out, Options(overwrite, stream, device, progress, texts, seq_len, max_samples), work, check)

@@ -1,28 +1,79 @@
-"""What every command that writes a checkpoint shares: load -> samples -> work -> save.
+"""What every command that writes a checkpoint shares: load -> samples -> work -> save, in `run`.
 
-`check_output` checks the output folder before anything slow (it must not exist unless --overwrite, and must not be or
-hold the model); each command calls it first, then checks its own options. `start` loads the model (streamed where asked
-and possible, on the device asked: halfsafe.io.loading), refuses an unsupported architecture, and checks the disk for
-the output's size. `calibration` cuts the samples and sets the
-tokenizer aside until the save (Gemma 3's holds 0.33 GB). convert, apply and finetune supply only the work between.
+convert, apply and finetune each supply only their own option checks and the work between (`run`'s `check` and
+`work`). `run` first checks the output folder (it must not exist unless --overwrite, and must not be or hold the
+model), then the command's options, all before anything slow; it loads the model (streamed where asked and possible,
+on the device asked: halfsafe.io.loading), refuses an unsupported architecture, checks the disk for the output's size,
+cuts the calibration samples and sets the tokenizer aside until the save (Gemma 3's holds 0.33 GB). After the work,
+the one save (halfsafe.io.checkpoint) writes the weights, the tokenizer, halfsafe.json and the model card, atomically.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
+from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .io.loading import LoadedModel
+from .io.report import Record
 from .progress import phase
+
+T = TypeVar("T")
+Extra = Callable[[object, int], torch.Tensor]  # (tokenizer, vocab size) -> one more calibration sample
 
 
 @dataclass
 class Job:
+    """What the work gets: the loaded model and the calibration samples cut from the text."""
+
     loaded: LoadedModel
     samples: list[torch.Tensor]
-    tokenizer: Callable  # gives the tokenizer back, for the save (LoadedModel.set_tokenizer_aside)
+
+
+@dataclass
+class Output(Generic[T]):
+    """What the work gives back: the command's result, and what is saved with the weights."""
+
+    result: T
+    record: Record | Callable[[], Record]  # halfsafe.json and the card; a callable is made once the weights are written
+    writing: AbstractContextManager = field(default_factory=nullcontext)  # held around the save (convert counts its reads)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options every command that writes a checkpoint takes, with their one default each."""
+
+    overwrite: bool = False
+    stream: bool = True  # block by block from the shards (halfsafe.engine) where the layout allows
+    device: str = "auto"
+    progress: bool = True
+    texts: list[str] | None = None  # the calibration texts; None: the embedded one
+    seq_len: int = 512
+    max_samples: int | None = 8
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # "5GB", "500MiB" or bytes (io.checkpoint.shard_size)
+
+
+def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: Callable[[], None] | None = None,
+        extra: Extra | None = None) -> T:
+    """load -> samples -> work -> save. `check` checks the command's own options (after the output, before loading);
+    `extra(tokenizer, vocab)`, when given, is one more sample, appended after the text's."""
+    from .io.checkpoint import save_fp16_checkpoint, shard_size
+
+    check_output(source, out, options.overwrite)  # the output, then the options, before the slow part
+    if check is not None:
+        check()
+    max_shard_size = shard_size(options.max_shard_size)
+    loaded = start(source, out, options.overwrite, options.stream, options.device, options.progress)
+    job, tokenizer = calibration(loaded, options.texts, options.seq_len, options.max_samples, extra)
+    done = work(job)
+    with done.writing:
+        save_fp16_checkpoint(loaded.model, tokenizer(), out, done.record, loaded.folder, options.overwrite, max_shard_size,
+                             options.progress)
+    return done.result
 
 
 def check_output(source, out, overwrite: bool) -> None:
@@ -47,13 +98,13 @@ def start(source, out, overwrite: bool, stream: bool, device, progress: bool) ->
 
 
 def calibration(loaded: LoadedModel, texts: list[str] | None, seq_len: int, max_samples: int | None,
-                extra: Callable[[object, int], torch.Tensor] | None = None) -> Job:
+                extra: Extra | None = None) -> tuple[Job, Callable]:
     """The samples cut from `texts` (default: the embedded text), `extra(tokenizer, vocab)` appended when given, and
-    the tokenizer set aside."""
+    the tokenizer set aside: the job, and the callable that gives the tokenizer back for the save."""
     from .calibration import make_samples, read_texts
 
     vocab = loaded.model.config.get_text_config().vocab_size
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
     if extra is not None:
         samples.append(extra(loaded.tokenizer, vocab))
-    return Job(loaded, samples, loaded.set_tokenizer_aside())
+    return Job(loaded, samples), loaded.set_tokenizer_aside()

@@ -407,43 +407,46 @@ def finetune_checkpoint(
     If `config.steps` run out with peaks still above the target, nothing is saved (unless
     `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
     so the same command with a larger --steps continues where this one stopped."""
-    from ..convert import make_fp16_safe
-    from ..io.checkpoint import save_fp16_checkpoint
-    from ..job import calibration, check_output, start
+    from ..convert import ConversionReport, make_fp16_safe
+    from ..job import Job, Options, Output, run
 
     config = config or FinetuneConfig()
-    config.check()
-    check_output(source, out, overwrite)
-    if restart and resume_from:
-        raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
     state_file = Path(resume_from) if resume_from else partial_dir(out) / STATE_NAME
-    if resume_from and not state_file.is_file():
-        raise HalfsafeError(f"--resume-from {resume_from}: no such file (the state is {STATE_NAME} in the partial folder)")
-    if restart and state_file.exists():
-        state_file.unlink()
-    loaded = start(source, out, overwrite, stream=False, device=device, progress=progress)  # training holds every weight
-    job = calibration(loaded, texts, seq_len, max_samples)
-    model, samples = loaded.model, job.samples
-    if samples:
-        require_logits(model, samples[0])  # before the slow part, as for an unsupported architecture
-    teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
-    conversion = make_fp16_safe(model, samples, headroom_bits=config.headroom_bits, allow_unfixable=True, progress=progress)
-    report = finetune_below_threshold(model, samples, config, teacher, progress, state_file)
-    del teacher
-    if not report.converged and not save_unconverged:
-        worst = max(report.peaks_after, key=report.peaks_after.get, default=report.max_site_after)
-        peak = report.peaks_after.get(worst, report.max_peak_after)
-        raise HalfsafeError(
-            f"not below the target after {report.steps} steps: {worst} still reaches {peak:.4g} (target {report.target:.4g}); "
-            f"the state is kept in {state_file.parent}: run again with a larger --steps to continue, "
-            "or pass --save-unconverged to save as it is"
-        )
-    fp16 = fp16_check(model, samples)
-    record = Record(str(source), conversion.saved(), Finetuned(report, fp16))  # its card then says the weights are no longer exact
-    save_fp16_checkpoint(model, job.tokenizer(), out, record, loaded.folder, overwrite)
+
+    def check() -> None:
+        config.check()
+        if restart and resume_from:
+            raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
+        if resume_from and not state_file.is_file():
+            raise HalfsafeError(f"--resume-from {resume_from}: no such file (the state is {STATE_NAME} in the partial folder)")
+        if restart and state_file.exists():
+            state_file.unlink()
+
+    def work(job: Job) -> Output[tuple[FinetuneReport, ConversionReport, dict]]:
+        model, samples = job.loaded.model, job.samples
+        if samples:
+            require_logits(model, samples[0])  # before the slow part, as for an unsupported architecture
+        teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
+        conversion = make_fp16_safe(model, samples, headroom_bits=config.headroom_bits, allow_unfixable=True, progress=progress)
+        report = finetune_below_threshold(model, samples, config, teacher, progress, state_file)
+        del teacher
+        if not report.converged and not save_unconverged:
+            worst = max(report.peaks_after, key=report.peaks_after.get, default=report.max_site_after)
+            peak = report.peaks_after.get(worst, report.max_peak_after)
+            raise HalfsafeError(
+                f"not below the target after {report.steps} steps: {worst} still reaches {peak:.4g} (target {report.target:.4g}); "
+                f"the state is kept in {state_file.parent}: run again with a larger --steps to continue, "
+                "or pass --save-unconverged to save as it is"
+            )
+        fp16 = fp16_check(model, samples)
+        # its card then says the weights are no longer an exact rescaling
+        return Output((report, conversion, fp16), Record(str(source), conversion.saved(), Finetuned(report, fp16)))
+
+    # training holds every weight: never streamed
+    done = run(source, out, Options(overwrite, False, device, progress, texts, seq_len, max_samples), work, check)
     if not resume_from:
         shutil.rmtree(partial_dir(out), ignore_errors=True)
-    return report, conversion, fp16
+    return done
 
 
 @torch.no_grad()
