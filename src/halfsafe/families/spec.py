@@ -236,7 +236,6 @@ class Family:
     # (halfsafe.runtime.fp16, halfsafe.runtime.baselines) hook them; the rescale itself does not read them.
     residual_writers: tuple[tuple[str, ...], ...] = ()
     notes: str = ""
-    extra: dict = field(default_factory=dict)
     # Config field -> the size it takes in the shrunk random copy the probe runs on (core/shrink.py), for widths only
     # this family's configs name (multi-head latent attention, experts, per-layer inputs), in any of the model's
     # configs; merged over shrink.WIDTHS, the widths every family shares. A field already smaller keeps its value.
