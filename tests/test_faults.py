@@ -96,7 +96,7 @@ KILL_AT = {
     """,
     # during the save: after the weights are written, before halfsafe.json and the rename
     "save": """
-        import halfsafe.io.checkpoint as c
+        import halfsafe.engine.write as c
         real = c.write_weights
         def write_weights(*a, **k):
             bad = real(*a, **k)
