@@ -154,11 +154,14 @@ def _branch_output(model: nn.Module, name: str | None, groups) -> Iterator[tuple
 
 
 def _feeds(written: list[Amp], groups) -> list[Amp]:
-    """What feeds the tensors `written`: the +1 side of every per-block pair group that moves one of them by -1."""
+    """What feeds the tensors `written`: the +1 side of every per-block pair group that moves one of them by -1.
+    Fused experts are not fed: their down projections alone carry the massive channels, as a dense MLP's do with its
+    up_proj fed, while growing every expert's up rows as well made mixtral's and deepseek_v3's stress models so harsh
+    that their converted fp16 came within 2x of bf16 on held-out text (25x and 70x without)."""
     params = {a.param for a in written}
     feeds: dict[tuple[str, str], Amp] = {}
     for g in groups:
-        if g.block is not None and any(m.param in params and m.power < 0 for m in g.moves):
+        if g.block is not None and g.expert is None and any(m.param in params and m.power < 0 for m in g.moves):
             for m in g.moves:
                 if m.power > 0:
                     feeds.setdefault((m.param, repr(m.select)), Amp(m.param, FEED, select=select_parts(m.select)))
