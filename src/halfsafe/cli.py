@@ -111,6 +111,17 @@ def _device_option(p, what: str = "one block on it at a time") -> None:
     p.add_argument("--device", default="auto", type=_device, help=f"cpu, cuda or auto (default: cuda when torch sees a GPU): {what}")
 
 
+def _tokenizer_option(p) -> None:
+    p.add_argument("--tokenizer", metavar="FOLDER",
+                   help="take the tokenizer from FOLDER (checked as MODEL is) instead of MODEL's own: for a GGUF without "
+                        "one, or a model whose tokenizer files are broken (default: MODEL's own; none: text as byte ids)")
+
+
+def _tokenizer_kwarg(args) -> dict:
+    """`tokenizer=FOLDER` where --tokenizer was given, nothing otherwise (the API's calls stay as they were)."""
+    return {"tokenizer": args.tokenizer} if getattr(args, "tokenizer", None) else {}
+
+
 def _engine_options(p) -> None:
     _device_option(p)
     p.add_argument("--whole", action="store_true",
@@ -123,7 +134,7 @@ def cmd_scan(args) -> int:
     from .plots import plot_layer_peaks
     from .scan import scan
 
-    loaded = load_model(args.model, stream=not args.whole, device=args.device)
+    loaded = load_model(args.model, stream=not args.whole, device=args.device, **_tokenizer_kwarg(args))
     report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
                   fp16_arith=args.fp16_arith)
     scan_tables(report, console, top=args.top)
@@ -153,6 +164,7 @@ def cmd_convert(args) -> int:
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
         max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
         max_shard_size=args.max_shard_size, runtime=None if runtime.is_torch else runtime, fp16_arith=args.fp16_arith,
+        **_tokenizer_kwarg(args),
     )
     conversion_tables(report, console)
     console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
@@ -181,7 +193,8 @@ def cmd_apply(args) -> int:
     from .convert import apply_checkpoint
 
     plan, after = apply_checkpoint(args.plan, args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len,
-                                   max_samples=args.max_samples, overwrite=args.overwrite, stream=not args.whole, device=args.device)
+                                   max_samples=args.max_samples, overwrite=args.overwrite, stream=not args.whole, device=args.device,
+                                   **_tokenizer_kwarg(args))
     peak = after.peak  # apply_checkpoint refuses (and writes nothing) when the result is not fp16-safe
     console.print(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
     kept = "keeps" if peak.headroom_bits >= plan.headroom_bits else "does NOT keep"
@@ -242,7 +255,7 @@ def cmd_finetune(args) -> int:
     report, conversion, fp16 = finetune_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples, config=config,
         overwrite=args.overwrite, restart=args.restart, resume_from=args.resume_from, save_unconverged=args.save_unconverged,
-        device=args.device,
+        device=args.device, **_tokenizer_kwarg(args),
     )
     res = conversion.plan.exponents.get("residual")
     console.print(f"exact rescale first: {len(conversion.plan.tensors)} tensors" + (f", residual x 2^{res}" if res else ""))
@@ -267,6 +280,7 @@ def cmd_verify(args) -> int:
         args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
         seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens,
         device=args.device, stream=not args.whole, runtime=args.runtime, fp16_arith=args.fp16_arith,
+        **({"tokenizer_folder": args.tokenizer} if args.tokenizer else {}),
     )
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())
@@ -305,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_option(p, "also measure what would overflow")
     _fp16_arith_option(p, "--fp16-check")
     _engine_options(p)
+    _tokenizer_option(p)
     p.set_defaults(func=cmd_scan)
 
     p = sub.add_parser("convert", help="rescale a model exactly so it runs in float16; save an fp16 checkpoint")
@@ -325,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_option(p, "choose the plan (or refuse)")
     _fp16_arith_option(p, "the candidates' float16 trial")
     _engine_options(p)
+    _tokenizer_option(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="export a converted checkpoint to another runtime's format (fp16 ONNX)")
@@ -344,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p, seq_len=256, max_samples=2)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
+    _tokenizer_option(p)
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
@@ -378,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
     _device_option(p, "where the whole model trains")
+    _tokenizer_option(p)
     p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("verify", help="compare fp32, bf16, fp16, fp16 baselines and a converted checkpoint on held-out text")
@@ -392,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_option(p, "also run fp16 and the converted checkpoint")
     _fp16_arith_option(p, "every float16 variant")
     _engine_options(p)
+    _tokenizer_option(p)
     p.set_defaults(func=cmd_verify)
     return parser
 
@@ -401,7 +420,7 @@ def _keep_reports_out_of_inputs(args) -> None:
     from .io.checkpoint import refuse_overlap
     from .io.loading import input_paths
 
-    inputs = [p for name in ("model", "converted") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
+    inputs = [p for name in ("model", "converted", "tokenizer") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
     for path in (getattr(args, "json", None), getattr(args, "plot", None)):
         if path:
             refuse_overlap(path, inputs)

@@ -418,10 +418,12 @@ def convert_checkpoint(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     runtime: str | None = None,
     fp16_arith: str | None = None,
+    tokenizer: str | None = None,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
-    rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`."""
+    rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`.
+    `tokenizer`: a folder to take the tokenizer from (and save with the result) instead of MODEL's own."""
     from .calibration import long_sample_ids
 
     def check() -> None:
@@ -440,14 +442,14 @@ def convert_checkpoint(
         # halfsafe.json, written after the weights, counts their read
         return Output(report, lambda: report.record(str(source)), report.reads.phase(model, "write"))
 
-    options = Options(overwrite, stream, device, progress, texts, seq_len, max_samples, max_shard_size)
+    options = Options(overwrite, stream, device, progress, texts, seq_len, max_samples, max_shard_size, tokenizer)
     # the long sample goes last: samples[0] stays the probe/eval input
     return run(source, out, options, work, check, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None)
 
 
 def apply_checkpoint(
     plan_path: str, source: str, out: str, texts: list[str] | None = None, seq_len: int = 256, max_samples: int | None = 2,
-    overwrite: bool = False, progress: bool = True, stream: bool = True, device: str = "auto",
+    overwrite: bool = False, progress: bool = True, stream: bool = True, device: str = "auto", tokenizer: str | None = None,
 ) -> tuple[Plan, ScanReport]:
     """Re-apply a saved plan (plan.json, or a converted folder's halfsafe.json) to another checkpoint of the same
     architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. Refused, with
@@ -472,4 +474,5 @@ def apply_checkpoint(
                             margin_kept=peak.headroom_bits >= plan.headroom_bits)
         return Output((plan, after), Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage)))
 
-    return run(source, out, Options(overwrite, stream, device, progress, texts, seq_len, max_samples), work, check)
+    return run(source, out, Options(overwrite, stream, device, progress, texts, seq_len, max_samples, tokenizer=tokenizer), work,
+               check)

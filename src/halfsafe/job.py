@@ -55,6 +55,7 @@ class Options:
     seq_len: int = 512
     max_samples: int | None = 8
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # "5GB", "500MiB" or bytes (io.checkpoint.shard_size)
+    tokenizer: str | None = None  # a folder holding the tokenizer (--tokenizer); None: MODEL's own
 
 
 def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: Callable[[], None] | None = None,
@@ -63,11 +64,11 @@ def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: 
     `extra(tokenizer, vocab)`, when given, is one more sample, appended after the text's."""
     from .io.checkpoint import save_fp16_checkpoint, shard_size
 
-    check_output(source, out, options.overwrite)  # the output, then the options, before the slow part
+    check_output(source, out, options.overwrite, options.tokenizer)  # the output, then the options, before the slow part
     if check is not None:
         check()
     max_shard_size = shard_size(options.max_shard_size)
-    loaded = start(source, out, options.overwrite, options.stream, options.device, options.progress)
+    loaded = start(source, out, options.overwrite, options.stream, options.device, options.progress, options.tokenizer)
     job, tokenizer = calibration(loaded, options.texts, options.seq_len, options.max_samples, extra)
     done = work(job)
     with done.writing:
@@ -76,24 +77,26 @@ def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: 
     return done.result
 
 
-def check_output(source, out, overwrite: bool) -> None:
-    """OUT may be written (or replaced, with overwrite) and is not the model or inside it: before anything slow."""
+def check_output(source, out, overwrite: bool, tokenizer=None) -> None:
+    """OUT may be written (or replaced, with overwrite) and is not the model (or the --tokenizer folder) or inside
+    it: before anything slow."""
     from .io.checkpoint import check_out_dir
     from .io.loading import input_paths
 
-    check_out_dir(out, overwrite, inputs=input_paths(source))
+    check_out_dir(out, overwrite, inputs=[*input_paths(source), *([tokenizer] if tokenizer else [])])
 
 
-def start(source, out, overwrite: bool, stream: bool, device, progress: bool) -> LoadedModel:
+def start(source, out, overwrite: bool, stream: bool, device, progress: bool, tokenizer=None) -> LoadedModel:
     """The model loaded and its family known, the disk checked for the output (`check_output` came first)."""
     from .families import family_for
     from .io.checkpoint import check_out_dir, output_bytes
     from .io.loading import input_paths, load_model
 
     with phase("load", quiet=not progress):
-        loaded = load_model(source, stream=stream, device=device)
+        loaded = load_model(source, stream=stream, device=device, **({"tokenizer": tokenizer} if tokenizer else {}))
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before the work
-    check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder])  # and a small disk
+    check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder,
+                                                                     *([tokenizer] if tokenizer else [])])  # and a small disk
     return loaded
 
 

@@ -62,7 +62,7 @@ def make_samples(
             piece = ids[start : start + body]
             if len(piece) < max(2, body // 8) and samples:
                 break  # a stub at the end says nothing new
-            samples.append(torch.tensor([([bos] if bos is not None else []) + piece]))
+            samples.append(check_ids(torch.tensor([([bos] if bos is not None else []) + piece]), vocab_size, bos))
             if max_samples is not None and len(samples) >= max_samples:
                 return samples
     if not samples:
@@ -80,4 +80,17 @@ def long_sample_ids(tokenizer, vocab_size: int, n_tokens: int) -> torch.Tensor:
     base = encode(default_text(), tokenizer, vocab_size)
     body = n_tokens - len(head)
     ids = head + (base * (body // len(base) + 1))[:body]
-    return torch.tensor([ids])
+    return check_ids(torch.tensor([ids]), vocab_size, bos)
+
+
+def check_ids(sample: torch.Tensor, vocab_size: int, bos: int | None = None) -> torch.Tensor:
+    """`sample`, refused unless every id (BOS included) names a row of the model's embedding: a tokenizer from another
+    model (a larger vocabulary) or a special token outside the vocabulary would fail deep inside the first forward."""
+    bad = sample[(sample < 0) | (sample >= vocab_size)]
+    if bad.numel():
+        token = int(bad[0])
+        what = "its BOS token" if token == bos else "a token of the text"
+        raise HalfsafeError(f"the tokenizer gives id {token} ({what}), but the model's embedding holds {vocab_size} tokens "
+                            f"(ids 0 .. {vocab_size - 1}): the tokenizer is not this model's; give the model's own "
+                            "(--tokenizer FOLDER) or fix its vocabulary")
+    return sample

@@ -17,34 +17,37 @@ import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from ..errors import HalfsafeError, UnsupportedModelError
-from .reading import LoadedModel, _first_line, load_gguf, load_tokenizer, model_class_for
+from .reading import LoadedModel, _first_line, load_gguf, load_tokenizer, load_tokenizer_folder, model_class_for
 from .trust import check_folder, from_pretrained, inside, quiet_transformers
 
 FIXTURE_NAMES = ("gemma3-270m",)
 
 
 def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, stream: bool = False,
-               device: "str | torch.device" = "auto") -> LoadedModel:
+               device: "str | torch.device" = "auto", tokenizer: str | os.PathLike | None = None) -> LoadedModel:
     """Load `source` for measurement; weights in `dtype` (float32 by default: the reference). `stream`: keep the
     weights in the checkpoint and load one block at a time while the model runs (halfsafe.engine), where the
     checkpoint's layout allows; otherwise (and for GGUF) the whole model is loaded. `device` ("auto", "cpu", "cuda",
-    "cuda:N"): where it computes, resolved here and only here (halfsafe.engine.device), for every kind of source."""
+    "cuda:N"): where it computes, resolved here and only here (halfsafe.engine.device), for every kind of source.
+    `tokenizer`: a folder to take the tokenizer from (--tokenizer) instead of the model's own; checked as a model
+    folder is. The tokenizer otherwise comes from MODEL alone: its folder, or the GGUF file itself."""
     from ..engine.device import resolve_device
 
     source, device = str(source), resolve_device(device)
+    tok = Path(tokenizer).expanduser() if tokenizer is not None else None
     if source in FIXTURE_NAMES:
         from .builtin import gemma3_270m_folder
 
-        return _load_folder(gemma3_270m_folder(), dtype, source, stream, device)
+        return _load_folder(gemma3_270m_folder(), dtype, source, stream, device, tok)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype, source, device)
+        return load_gguf(path, dtype, source, device, tok)
     if path.is_file():
         raise HalfsafeError(f"{source} is a file, not a model: give the model's folder (with config.json) or a .gguf file")
     if path.is_dir():
-        return _load_folder(path, dtype, source, stream, device)
+        return _load_folder(path, dtype, source, stream, device, tok)
     if _looks_like_hub_id(source):
-        return _load_cached_hub_id(source, dtype, stream, device)
+        return _load_cached_hub_id(source, dtype, stream, device, tok)
     raise HalfsafeError(
         f"{source} does not exist: give a model folder, a .gguf file, a hub id already in the local cache, "
         f"or the built-in fixture name {FIXTURE_NAMES[0]!r}"
@@ -86,28 +89,33 @@ def read_config(folder: Path) -> PretrainedConfig:
         raise HalfsafeError(f"could not read {config_file}: {_first_line(e)}") from None
 
 
-def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu") -> LoadedModel:
+def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu",
+                 tokenizer: Path | None = None) -> LoadedModel:
+    """`tokenizer`: the --tokenizer folder, else the model folder's own tokenizer (read first: a broken one is
+    refused before the weights are read)."""
     from ..engine.shards import Shards
-    from .validate import check_config, check_finite
+    from .validate import check_config, check_finite, check_loading_info
 
     config = read_config(folder)
+    tok = load_tokenizer_folder(tokenizer) if tokenizer is not None else load_tokenizer(folder)
     shards = Shards(folder)  # refuses pickled weights, missing shards and unreadable headers up front
     cls = model_class_for(config)
-    check_config(config, cls, shards, folder)  # before anything is built from it
+    check_config(config, cls, shards, folder)  # before anything is built from it; refuses a weight the shards lack
     check_finite(shards, folder)
     if stream:
         streamed = load_streamed(folder, config, device, cls=cls, shards=shards)
         if streamed is not None:
-            return LoadedModel(streamed, load_tokenizer(folder), source, folder)
+            return LoadedModel(streamed, tok, source, folder, tokenizer)
     try:
         with quiet_transformers():
-            model = from_pretrained(cls, folder, dtype=dtype, local_files_only=True)
+            model, info = from_pretrained(cls, folder, dtype=dtype, local_files_only=True, output_loading_info=True)
     except Exception as e:  # corrupt or truncated weights surface as many exception types
         raise HalfsafeError(
             f"could not load the weights in {folder} ({_first_line(e)}): the checkpoint looks corrupt; re-download or re-save it"
         ) from None
+    check_loading_info(model, info, str(folder))  # a weight transformers filled in at random: refused
     model.eval()
-    return LoadedModel(model.to(device) if device != "cpu" else model, load_tokenizer(folder), source, folder)
+    return LoadedModel(model.to(device) if device != "cpu" else model, tok, source, folder, tokenizer)
 
 
 def load_streamed(folder: Path, config: PretrainedConfig, device: "str | torch.device", dtype: torch.dtype = torch.float32,
@@ -136,7 +144,8 @@ def load_streamed(folder: Path, config: PretrainedConfig, device: "str | torch.d
     return streamed.model
 
 
-def _load_cached_hub_id(repo_id: str, dtype: torch.dtype, stream: bool = False, device: str = "cpu") -> LoadedModel:
+def _load_cached_hub_id(repo_id: str, dtype: torch.dtype, stream: bool = False, device: str = "cpu",
+                        tokenizer: Path | None = None) -> LoadedModel:
     from huggingface_hub import snapshot_download
 
     try:
@@ -146,7 +155,7 @@ def _load_cached_hub_id(repo_id: str, dtype: torch.dtype, stream: bool = False, 
             f"{repo_id} is neither a local path nor in the local Hugging Face cache: download it first "
             f"(hf download {repo_id}) or give a folder"
         ) from None
-    return _load_folder(folder, dtype, repo_id, stream, device)  # a cached hub snapshot, as a folder
+    return _load_folder(folder, dtype, repo_id, stream, device, tokenizer)  # a cached hub snapshot, as a folder
 
 
 def _looks_like_hub_id(source: str) -> bool:

@@ -35,6 +35,7 @@ def check_config(config, cls, shards, folder: Path) -> None:
     model = _meta_skeleton(config, cls)
     if model is None:
         return
+    refuse_missing(missing_weights(model, keys), str(folder))  # a weight transformers would fill in at random
     prefix = getattr(model, "base_model_prefix", "") or ""
     elements = 0
     for name, p in model.named_parameters():
@@ -94,3 +95,64 @@ def _finite(t: torch.Tensor) -> bool:
         t = t.to(torch.float16)
     low, high = torch.aminmax(t)
     return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def missing_weights(model, stored) -> list[str]:
+    """The parameters of `model` (a skeleton: meta weights will do) that a checkpoint holding the keys `stored` would
+    leave for transformers to initialise at random: each stored key renamed as transformers' loader renames it (its
+    weight conversions, the base model prefix added or dropped), then what transformers legitimately leaves unloaded
+    set aside (`needed`). Empty for a complete checkpoint."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key, revert_weight_conversion
+
+    mapping = get_model_conversion_mapping(model, None, None)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    expected = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    missing, merged = set(expected), set()
+    for key in stored:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, expected)
+        if renamed not in expected and key in expected:  # as transformers: a key that should not have been renamed
+            renamed, pattern = rename_source_key(key, [], [], prefix, expected)
+        missing.discard(renamed)
+        if pattern is not None:
+            merged.add(renamed)
+    stored = set(stored)
+    for name in merged:  # made of several stored tensors (one per expert): all of them, or it is incomplete
+        parts = set(revert_weight_conversion(model, {name: expected[name]}))
+        if parts & stored and parts - stored:
+            missing.add(name)
+    return needed(model, missing)
+
+
+def needed(model, missing) -> list[str]:
+    """Of the state-dict names `missing` (never loaded), the parameters transformers would fill in at random: not a
+    tied copy whose partner is loaded (transformers ties them, either way round), not a name the model class says
+    may be absent (`_keys_to_ignore_on_load_missing`), not a buffer (computed by the model, never a weight)."""
+    missing = set(missing)
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    groups: dict[str, set[str]] = {}
+    for target, source in tied.items():
+        groups.setdefault(source, {source}).add(target)
+    for group in groups.values():
+        if group - missing:  # one of the tied names is loaded: every other is that same tensor
+            missing -= group
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    return sorted(n for n in missing if n in params and (ignore is None or not ignore.search(n)))
+
+
+def refuse_missing(missing, where: str) -> None:
+    """One line naming the first weight `where` lacks, before anything is computed from a model holding random values."""
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise HalfsafeError(f"{where} lacks {missing[0]}{more}, a weight the model needs: the checkpoint is incomplete "
+                            "and halfsafe never lets a loader fill a weight in at random; re-download or re-save it")
+
+
+def check_loading_info(model, info: dict, where: str) -> None:
+    """The second line of defence, after a transformers load (`output_loading_info=True`): refuse a parameter it
+    reports missing (and so initialised at random)."""
+    refuse_missing(needed(model, info.get("missing_keys") or ()), where)

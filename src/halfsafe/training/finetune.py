@@ -400,6 +400,7 @@ def finetune_checkpoint(
     save_unconverged: bool = False,
     progress: bool = True,
     device: str = "auto",
+    tokenizer: str | None = None,
 ):
     """Load `source`, rescale exactly, fine-tune what no rescale reaches, save an fp16 checkpoint to `out`.
     Returns (FinetuneReport, ConversionReport, fp16 check dict).
@@ -443,7 +444,7 @@ def finetune_checkpoint(
         return Output((report, conversion, fp16), Record(str(source), conversion.saved(), Finetuned(report, fp16)))
 
     # training holds every weight: never streamed
-    done = run(source, out, Options(overwrite, False, device, progress, texts, seq_len, max_samples), work, check)
+    done = run(source, out, Options(overwrite, False, device, progress, texts, seq_len, max_samples, tokenizer=tokenizer), work, check)
     if not resume_from:
         shutil.rmtree(partial_dir(out), ignore_errors=True)
     return done

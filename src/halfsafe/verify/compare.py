@@ -49,6 +49,7 @@ def verify(
     stream: bool = True,
     runtime: str | None = None,
     fp16_arith: str | None = None,
+    tokenizer_folder: str | Path | None = None,
 ) -> VerifyReport:
     """Compare every variant of `model` (a folder/fixture name/hub id, or a float32 model) with its float32
     run on `texts` (default: the embedded held-out text, never used for calibration).
@@ -63,6 +64,7 @@ def verify(
     under its float16 arithmetic, emulated ("<variant> @ <profile>"), and every variant is checked for outputs that
     are finite but collapsed (nearly uniform rows, one token on top everywhere). `fp16_arith`: how the float16
     variants compute ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith).
+    `tokenizer_folder`: where `model` is loaded here, take its tokenizer from this folder (--tokenizer).
     """
     from ..calibration import heldout_text
     from ..engine.fp16_arith import NATIVE, check_arith, resolve
@@ -79,7 +81,8 @@ def verify(
             original.to(resolve_device(device))
     else:
         with phase("load"):
-            loaded = load_model(model, torch.float32, stream=stream, device=device)
+            loaded = load_model(model, torch.float32, stream=stream, device=device,
+                                **({"tokenizer": tokenizer_folder} if tokenizer_folder else {}))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
