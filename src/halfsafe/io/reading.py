@@ -81,7 +81,7 @@ def load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu", 
             raise HalfsafeError(f"could not read the GGUF file {path} ({_first_line(e)}): check that it is complete") from None
         tok = load_tokenizer_folder(tokenizer) if tokenizer is not None else _gguf_tokenizer(path, folder, name)
         try:
-            with quiet_transformers():
+            with quiet_transformers(), _no_tensor_bar():
                 model, info = from_pretrained(model_class_for(config), folder, gguf_file=name, dtype=dtype,
                                               output_loading_info=True)
         except Exception as e:
@@ -130,6 +130,23 @@ def _alone(path: Path):
         link = Path(tmp) / "model.gguf"
         link.symlink_to(Path(path).resolve())
         yield Path(tmp), str(link)
+
+
+@contextmanager
+def _no_tensor_bar():
+    """transformers' GGUF reader draws its own tqdm bar (on stderr, past `quiet_transformers`): off for the duration,
+    so that a refusal stays one line."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    saved = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda items, *args, **kwargs: items
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = saved
 
 
 def _gguf_tokenizer(path: Path, folder: Path, name: str):
