@@ -149,7 +149,8 @@ def clean_stale(out: Path) -> list[Path]:
             if owned.running(m):
                 continue  # another run is writing it now
             kept = leftover / out.name
-            if kind == owned.OLD and os.path.lexists(kept) and owned.identity(out) != m["next"]:
+            in_place = m["next"] is not None and owned.identity(out) == m["next"]  # the new folder made it in
+            if kind == owned.OLD and os.path.lexists(kept) and not in_place:
                 try:  # killed between renaming the old folder aside and the new one in: it goes back
                     _rename_noreplace(kept, out)
                 except OSError:  # something else is at OUT now: the previous output stays where it is
@@ -243,7 +244,7 @@ def _check_replaceable(out: Path) -> None:
         raise refuse(f"it has no {MARK} of its own")
     try:
         record = report.read(mark)
-    except HalfsafeError:
+    except (HalfsafeError, ValueError, TypeError, KeyError, AttributeError):
         raise refuse(f"its {MARK} is not a record halfsafe wrote") from None
     if record.files is None:
         return

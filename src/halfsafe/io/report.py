@@ -258,7 +258,7 @@ def list_files(folder: Path) -> None:
     try:
         d = json.loads(path.read_text())
         Record.from_dict(d)
-    except (OSError, ValueError, RecursionError, HalfsafeError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError, HalfsafeError):
         return
     d.pop("files", None)
     d["files"] = files_in(folder)
