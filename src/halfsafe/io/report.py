@@ -1,10 +1,15 @@
 """halfsafe.json: the one record of what halfsafe did to a checkpoint, as typed data, written and read only here.
 
-Every folder halfsafe writes carries it (it also marks the folder as halfsafe's, see `checkpoint.check_out_dir`):
+Every folder halfsafe writes carries it (a record, with its files list, marks the folder as halfsafe's: see
+`checkpoint.check_out_dir`):
 the versions that wrote it, the source, then what was done. `halfsafe convert` records a `Conversion` (the plan
 and everything measured to choose and check it); `halfsafe finetune` the same and a `Finetuned` section after it;
 `halfsafe apply` an `Applied` (a saved plan re-applied, and the scan after it). The model card (`io.card`) is made
 from the same record, so the card and the file cannot say different things.
+
+Last comes `files`: every file halfsafe wrote in the folder, with its size (`list_files`, once everything is written;
+`export onnx` and `convert --to onnx` list theirs again). `--overwrite` replaces a folder only while it holds nothing
+else; a record without the list (written before it) is read as before.
 
 The file is versioned as the plan is: `format`, left out while it is 1 (as format-1 plans left theirs out, and
 every halfsafe.json so far is format 1); a reader refuses a newer format than it knows in one line. The keys are
