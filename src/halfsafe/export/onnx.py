@@ -530,6 +530,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder.
     `runtime`: a profile that computes norm statistics in float16 gets its norms prescaled (halfsafe.export.onnx_norms)."""
     from ..io.checkpoint import atomic_folder, check_out_dir
+    from ..io.report import list_files
     from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
@@ -546,6 +547,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     prescales, groups = rewrite_for(profile, model, folder)
     with atomic_folder(out, replace=overwrite) as tmp:
         path = out / write_onnx(model, tmp, source=folder, exporter=exporter).relative_to(tmp)
+        list_files(tmp)  # the source's halfsafe.json now lists this folder's files (--overwrite checks them)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
     report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
     return report
@@ -571,6 +573,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport
     converted checkpoint folder, beside its weights (the layout of a model repository that serves both transformers
     and transformers.js). `runtime`: as for export_onnx."""
     from ..io.checkpoint import atomic_folder
+    from ..io.report import list_files
     from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
@@ -586,6 +589,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport
             save_program(program, tmp / Path(rel).name)
             del program
     exporter.finish(folder)
+    list_files(folder)  # the ONNX files too, and config, tokenizer and card as they are now
     warning = not_converted_warning(folder)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
     report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups

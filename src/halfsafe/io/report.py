@@ -1,10 +1,15 @@
 """halfsafe.json: the one record of what halfsafe did to a checkpoint, as typed data, written and read only here.
 
-Every folder halfsafe writes carries it (it also marks the folder as halfsafe's, see `checkpoint.check_out_dir`):
+Every folder halfsafe writes carries it (a record, with its files list, marks the folder as halfsafe's: see
+`checkpoint.check_out_dir`):
 the versions that wrote it, the source, then what was done. `halfsafe convert` records a `Conversion` (the plan
 and everything measured to choose and check it); `halfsafe finetune` the same and a `Finetuned` section after it;
 `halfsafe apply` an `Applied` (a saved plan re-applied, and the scan after it). The model card (`io.card`) is made
 from the same record, so the card and the file cannot say different things.
+
+Last comes `files`: every file halfsafe wrote in the folder, with its size (`list_files`, once everything is written;
+`export onnx` and `convert --to onnx` list theirs again). `--overwrite` replaces a folder only while it holds nothing
+else; a record without the list (written before it) is read as before.
 
 The file is versioned as the plan is: `format`, left out while it is 1 (as format-1 plans left theirs out, and
 every halfsafe.json so far is format 1); a reader refuses a newer format than it knows in one line. The keys are
@@ -14,6 +19,8 @@ written in the order below, the same bytes for the same run, whatever version of
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -167,6 +174,7 @@ class Record:
     applied: Applied | None = None
     versions: Versions = field(default_factory=Versions.current)
     format: int = RECORD_FORMAT
+    files: dict[str, int] | None = None  # every file halfsafe wrote in the folder but this one: path -> bytes (`listed`)
 
     def __post_init__(self) -> None:
         if (self.conversion is None) == (self.applied is None) or (self.finetuned and not self.conversion):
@@ -179,7 +187,7 @@ class Record:
     def to_dict(self) -> dict:
         done = [s.to_dict() for s in (self.conversion, self.finetuned, self.applied) if s is not None]
         return {**({"format": self.format} if self.format != 1 else {}), **self.versions.to_dict(), "source": self.source,
-                **{k: v for d in done for k, v in d.items()}}
+                **{k: v for d in done for k, v in d.items()}, **({"files": self.files} if self.files is not None else {})}
 
     @classmethod
     def from_dict(cls, d: object) -> "Record":
@@ -192,11 +200,15 @@ class Record:
         if version > RECORD_FORMAT:
             raise HalfsafeError(f"this {FILE} is format {version}, written by halfsafe {d.get('halfsafe_version', '?')}; "
                                 f"this halfsafe reads formats up to {RECORD_FORMAT}: upgrade halfsafe")
+        files = d.get("files")
+        if files is not None and not _is_listing(files):
+            _refuse("its files are not a list of file names and sizes")
         try:
             if "applied_plan_from" in d:
-                return cls(str(d.get("source")), applied=Applied.from_dict(d), versions=Versions.from_dict(d), format=version)
+                return cls(str(d.get("source")), applied=Applied.from_dict(d), versions=Versions.from_dict(d), format=version,
+                           files=files)
             return cls(str(d.get("source")), Conversion.from_dict(d), Finetuned.from_dict(d) if "finetune" in d else None,
-                       versions=Versions.from_dict(d), format=version)
+                       versions=Versions.from_dict(d), format=version, files=files)
         except (KeyError, TypeError) as e:
             _refuse(f"{type(e).__name__}: {e}")
 
@@ -217,6 +229,47 @@ def read(path: str | Path) -> Record:
     except (OSError, ValueError, RecursionError) as e:
         raise HalfsafeError(f"cannot read {path} ({type(e).__name__}): pass a folder halfsafe wrote") from None
     return Record.from_dict(d)
+
+
+def _is_listing(files: object) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(k, str) and k and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in files.items())
+
+
+def files_in(folder: Path) -> dict[str, int]:
+    """Every plain file under `folder` but its halfsafe.json (and a mark io.owned keeps there while it is written), as
+    relative path -> size, in sorted order; symbolic links are not followed."""
+    from .owned import MARK as FOLDER_MARK
+
+    folder = Path(folder)
+    found = {}
+    for root, _dirs, names in os.walk(folder):
+        for name in names:
+            path = Path(root) / name
+            rel = path.relative_to(folder).as_posix()
+            if rel in (FILE, FOLDER_MARK) or not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            found[rel] = os.lstat(path).st_size
+    return dict(sorted(found.items()))
+
+
+def list_files(folder: Path) -> None:
+    """Write into `folder`/halfsafe.json the files halfsafe wrote there (`Record.files`: --overwrite replaces the folder
+    only while it holds no other file), once everything is written. Every other key keeps its place and its bytes;
+    a halfsafe.json that is not a record (or none) is left as it is."""
+    path = Path(folder) / FILE
+    if path.is_symlink() or not path.is_file():
+        return
+    try:
+        d = json.loads(path.read_text())
+        Record.from_dict(d)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError, HalfsafeError):
+        return
+    d.pop("files", None)
+    d["files"] = files_in(folder)
+    tmp = path.with_name(f".{FILE}.tmp")
+    tmp.write_text(json.dumps(d, indent=2, allow_nan=True) + "\n")
+    os.replace(tmp, path)
 
 
 def _refuse(why: str) -> NoReturn:
