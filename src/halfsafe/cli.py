@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -78,10 +79,9 @@ def _add_text_args(p: argparse.ArgumentParser, seq_len: int = 512, max_samples: 
     p.add_argument("--max-samples", type=_count(1), default=max_samples, help=f"samples at most (default {max_samples})")
 
 
-def _samples(args, loaded):
-    from .calibration import make_samples, read_texts
+def _samples(args, loaded, texts):
+    from .calibration import make_samples
 
-    texts = read_texts(args.text)
     return make_samples(texts, loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, args.seq_len, args.max_samples)
 
 
@@ -127,13 +127,15 @@ def _engine_options(p) -> None:
 
 
 def cmd_scan(args) -> int:
+    from .calibration import read_texts
     from .display import scan_tables
     from .io.loading import load_model
     from .plots import plot_layer_peaks
     from .scan import scan
 
+    texts = read_texts(args.text)  # checked before the model loads
     loaded = load_model(args.model, stream=not args.whole, device=args.device)
-    report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
+    report = scan(loaded.model, _samples(args, loaded, texts), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
                   fp16_arith=args.fp16_arith)
     scan_tables(report, console, top=args.top)
     _write_json(args.json, report.to_dict())
@@ -455,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         progress.show()  # on stderr: a bar on a terminal, a plain line every few seconds in a file or a CI log
         return args.func(args)
     except HalfsafeError as e:
-        err_console.print(f"[red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True, emoji=False)  # one line
+        line = re.sub(r"\s*[\r\n]\s*", " ", str(e)).strip()  # one line; a path's own spaces kept as they are
+        err_console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True, emoji=False)
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -107,7 +107,7 @@ def check_report_path(path: str | os.PathLike, what: str, inputs: Iterable = ())
     check_name_lengths(path, what)
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         st = None
     except OSError as e:
         raise HalfsafeError(f"{what} {path} cannot be written ({e.strerror}): choose another path") from None
