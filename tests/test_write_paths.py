@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tiny import save_tiny
 
@@ -238,7 +238,7 @@ def test_paths_with_markup_emoji_and_tex_are_printed_and_written_verbatim(src, t
     """Rich markup ([red], [/]), emoji codes (:smile:) and TeX ($...$) in a path: no MarkupError, no mangled line, no
     mathtext error in the plot's title."""
     monkeypatch.chdir(tmp_path)
-    model = copy_of(src, tmp_path / "[red]m:smile:")
+    model = copy_of(src, tmp_path / r"[red]m:smile:$\m$")  # also in the plot's title
     capsys.readouterr()
     assert main(["convert", model.name, "[bold]o:smile:", *SHORT, "--json", "[/]r.json", "--plot", r"$\foo$[i].png"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -256,6 +256,8 @@ NAME = st.text(st.sampled_from("[]/:$\\ab_ -*~@#."), min_size=1, max_size=24).fi
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=NAME)
+@example(name="[red]x:smile:[/]")
+@example(name="two  spaces")
 def test_any_path_is_printed_verbatim_in_the_one_line_error(tmp_path, capsys, name):
     missing = f"{tmp_path}/m{name}"
     refused(capsys, ["scan", missing, *SHORT], missing, "does not exist")
@@ -263,6 +265,7 @@ def test_any_path_is_printed_verbatim_in_the_one_line_error(tmp_path, capsys, na
 
 @settings(max_examples=25, deadline=None)
 @given(text=st.text(st.sampled_from("[]/:$\\ab_ -*~@#.smile"), min_size=1, max_size=40))
+@example(text="[red]x:smile:[/]")
 def test_any_path_is_printed_verbatim_in_a_wrote_line(text):
     from halfsafe import cli
 

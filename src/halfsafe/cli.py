@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
 from rich.text import Text
 
 from ._version import __version__
@@ -458,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except HalfsafeError as e:
         line = re.sub(r"\s*[\r\n]\s*", " ", str(e)).strip()  # one line; a path's own spaces kept as they are
-        err_console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True, emoji=False)
+        err_console.print(Text.assemble(("error:", "red"), f" {line}"), highlight=False, soft_wrap=True)  # a Text: no markup read
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")
