@@ -266,6 +266,7 @@ def test_any_path_is_printed_verbatim_in_the_one_line_error(tmp_path, capsys, na
 @settings(max_examples=25, deadline=None)
 @given(text=st.text(st.sampled_from("[]/:$\\ab_ -*~@#.smile"), min_size=1, max_size=40))
 @example(text="[red]x:smile:[/]")
+@example(text="/a/long/path/" + "x" * 200 + " [b]y")  # longer than the console: not wrapped
 def test_any_path_is_printed_verbatim_in_a_wrote_line(text):
     from halfsafe import cli
 
