@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r} (default)")
     _add_text_args(p)
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit (PATH's suffix names "
+                   "the format, e.g. .pdf or .svg; none: PATH.png)")
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
     p.add_argument("--top", type=_count(1), default=12, help="rows in the tightest-tensors table")
     _runtime_option(p, "also measure what would overflow")
