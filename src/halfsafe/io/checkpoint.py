@@ -179,8 +179,11 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, input
     folder), must not exist unless overwrite (and then be a folder halfsafe wrote, or an empty one), its folder must
     be creatable and writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the
     new one is done)."""
+    from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths
+
     out = Path(out)
     refuse_overlap(out, inputs)
+    check_name_lengths(out, "output folder", DERIVED_EXTRA, INNER_EXTRA)  # .OUT.tmp-XXXXXXXX beside it, onnx/... inside
     if out.exists() and not overwrite:
         raise HalfsafeError(f"{out} already exists: choose another output folder or pass --overwrite")
     if out.exists() and not out.is_dir():
@@ -290,19 +293,23 @@ def output_bytes(model: PreTrainedModel) -> int:
 def save_fp16_checkpoint(
     model: PreTrainedModel, tokenizer, out: str | Path, record: Record | Callable[[], Record] | None, source_folder: Path | None = None,
     overwrite: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False, finish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `record` as halfsafe.json and
     the model card made from it (io.report, io.card; None: halfsafe.json holds only the versions, and no card is
-    written). A streamed model is written tensor by tensor from its shards."""
+    written). A streamed model is written tensor by tensor from its shards. `finish(folder)`, when given, adds to
+    the complete checkpoint in its temporary folder before it becomes `out` (convert --to onnx exports there), so
+    `out` appears once, with all of it, or not at all."""
     out = check_out_dir(out, overwrite, output_bytes(model), inputs=[source_folder])
     try:
         with atomic_folder(out, replace=overwrite) as tmp:
             save_fp16(model, tmp, max_shard_size, progress)
             _write_extras(tokenizer, tmp, record() if callable(record) else record, source_folder)  # a callable: made now, after the weights
+            if finish is not None:
+                finish(tmp)
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "
+        raise HalfsafeError(f"could not write {out} ({reason}): nothing was left behind. Free some space or choose "
                             "another output folder") from None
     return out
 

@@ -452,9 +452,11 @@ def finetune_checkpoint(
         config.check()
         if restart and resume_from:
             raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
-        if resume_from and not state_file.is_file():
-            raise HalfsafeError(f"--resume-from {resume_from}: no such file (the state is {STATE_NAME} in the partial folder)")
-        if not resume_from:
+        if resume_from:  # a regular file (a FIFO would hang the read)
+            from ..io.paths import input_file
+
+            input_file(resume_from, "--resume-from", f"give the state file ({STATE_NAME} in the partial folder)")
+        else:
             _check_partial(out)
         if restart and state_file.exists():
             state_file.unlink()
