@@ -401,7 +401,7 @@ class _FakeExporter:
         yield "onnx/model_fp16.onnx", b"graph"
 
     @staticmethod
-    def finish(folder):
+    def finish(folder, name=None):
         with open(folder / "config.json", "a") as f:  # as the real one edits config, tokenizer config and card
             f.write("\n")
 
