@@ -90,7 +90,7 @@ class TextFile:
 def read_texts(paths: list[str | Path] | None) -> list[str | TextFile]:
     """The user's text files (each a regular file that starts with UTF-8 text), or the embedded default. A file is
     checked here, before anything slow, and read when `make_samples` cuts it (as much as it needs)."""
-    from ..io.paths import input_file
+    from ..filetypes import input_file
 
     if not paths:
         return [default_text()]

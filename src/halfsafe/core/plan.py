@@ -215,7 +215,7 @@ class Plan:
         import stat
 
         from ..errors import HalfsafeError
-        from ..io.paths import kind
+        from ..filetypes import kind
 
         path = Path(path)
         if path.is_dir():

@@ -6,19 +6,15 @@ folder) and cached under $HALFSAFE_CACHE (default ~/.cache/halfsafe).
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import HalfsafeError
+from .cache import cache_dir
 
 FIXTURE_DIRNAME = "gemma3-270m-bf16"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HALFSAFE_CACHE", Path.home() / ".cache" / "halfsafe")).expanduser()
 
 
 def gemma3_270m_folder() -> Path:

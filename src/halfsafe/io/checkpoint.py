@@ -179,7 +179,7 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, input
     folder), must not exist unless overwrite (and then be a folder halfsafe wrote, or an empty one), its folder must
     be creatable and writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the
     new one is done)."""
-    from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths
+    from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths, refuse_overlap
 
     out = Path(out)
     refuse_overlap(out, inputs)
@@ -209,26 +209,6 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, input
                 "free some space or choose another output folder"
             )
     return out
-
-
-def refuse_overlap(out: str | Path, inputs) -> None:
-    """halfsafe never writes into, over or around what it reads: `out` (symlinks resolved) may be none of `inputs`,
-    hold none of them and lie inside none of them."""
-    from .trust import model_root
-
-    target = Path(out).expanduser().resolve()
-    for given in inputs:
-        if given is None:
-            continue
-        model = Path(given).expanduser().resolve()
-        if model.is_dir():
-            model = model_root(model)  # a hub cache snapshot: its repository folder, blobs included
-        if target == model or model.is_relative_to(target):
-            raise HalfsafeError(f"{out} is {'the model' if target == model else 'a folder that holds the model'} {given}: "
-                                "halfsafe never writes over or deletes its input; choose an output folder outside it")
-        if target.is_relative_to(model):
-            raise HalfsafeError(f"{out} is inside the model folder {given}: halfsafe never writes into its input; "
-                                "choose an output folder outside it")
 
 
 def _check_replaceable(out: Path) -> None:

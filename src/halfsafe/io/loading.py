@@ -56,7 +56,7 @@ def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, st
 
 def input_paths(source: str | os.PathLike) -> list[Path]:
     """What loading `source` reads from, as far as it is known before loading: the folder or file named, the
-    fixture's folder. The writers keep their output out of these (`checkpoint.refuse_overlap`)."""
+    fixture's folder. The writers keep their output out of these (`paths.refuse_overlap`)."""
     source = str(source)
     if source in FIXTURE_NAMES:
         from .builtin import FIXTURE_DIRNAME, cache_dir

@@ -25,7 +25,7 @@ import stat
 import uuid
 from pathlib import Path
 
-from .builtin import cache_dir
+from .cache import cache_dir
 
 MARK = ".halfsafe-folder"  # inside a folder halfsafe made beside OUT
 KEY_FILE = "folder-key"  # in the cache folder

@@ -13,37 +13,11 @@ from contextlib import suppress
 from pathlib import Path
 
 from ..errors import HalfsafeError
+from ..filetypes import input_file, kind  # noqa: F401 (the input checks, with the output checks here)
 
 # `.OUT.tmp-XXXXXXXX` and `.OUT.old-XXXXXXXX` (tempfile's 8 random characters) beside OUT: 14 characters around its name
 DERIVED_EXTRA = len(".") + len(".tmp-") + 8
 INNER_EXTRA = 64  # the longest path halfsafe writes inside OUT ("onnx/decoder_model_merged_fp16.onnx_data", a shard)
-
-
-def kind(mode: int) -> str:
-    """What a non-regular file is, in words."""
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO (named pipe)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "not a regular file"
-
-
-def input_file(path: str | os.PathLike, what: str, fix: str) -> Path:
-    """`path` (symlinks followed) is a regular file, checked with os.stat before anything opens it; else refused in
-    one line that says what it is: missing, a folder, a device, a FIFO."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise HalfsafeError(f"{what} {path} does not exist: {fix}") from None
-    except OSError as e:
-        raise HalfsafeError(f"{what} {path} cannot be read ({e.strerror}): {fix}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise HalfsafeError(f"{what} {path} is {kind(st.st_mode)}, not a file: {fix}")
-    return Path(path)
 
 
 def existing_ancestor(path: Path) -> Path:
@@ -95,12 +69,30 @@ def _inodes(inputs: Iterable) -> set[tuple[int, int]]:
     return seen
 
 
+def refuse_overlap(out: str | Path, inputs) -> None:
+    """halfsafe never writes into, over or around what it reads: `out` (symlinks resolved) may be none of `inputs`,
+    hold none of them and lie inside none of them."""
+    from .trust import model_root
+
+    target = Path(out).expanduser().resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        model = Path(given).expanduser().resolve()
+        if model.is_dir():
+            model = model_root(model)  # a hub cache snapshot: its repository folder, blobs included
+        if target == model or model.is_relative_to(target):
+            raise HalfsafeError(f"{out} is {'the model' if target == model else 'a folder that holds the model'} {given}: "
+                                "halfsafe never writes over or deletes its input; choose an output folder outside it")
+        if target.is_relative_to(model):
+            raise HalfsafeError(f"{out} is inside the model folder {given}: halfsafe never writes into its input; "
+                                "choose an output folder outside it")
+
+
 def check_report_path(path: str | os.PathLike, what: str, inputs: Iterable = ()) -> Path:
     """A report file (--json, --plot) can be written where it is named, checked before the slow part: not into,
     over or around an input (symlinks resolved, and no hard link to an input's file either), not a folder, its
     names short enough, its folder creatable and writable."""
-    from .checkpoint import refuse_overlap
-
     inputs = [i for i in inputs if i is not None]
     refuse_overlap(path, inputs)
     path = Path(path)

@@ -70,7 +70,7 @@ def load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu", 
     built, and a weight the file lacks is refused (transformers would fill it in at random)."""
     from .validate import check_loading_info
 
-    check_gguf_header(path)
+    metadata = check_gguf_header(path)
     with _alone(path) as (folder, name):
         try:
             with quiet_transformers():
@@ -79,7 +79,7 @@ def load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu", 
             raise HalfsafeError(f"reading GGUF needs the gguf package: pip install gguf ({_first_line(e)})") from None
         except Exception as e:
             raise HalfsafeError(f"could not read the GGUF file {path} ({_first_line(e)}): check that it is complete") from None
-        tok = load_tokenizer_folder(tokenizer) if tokenizer is not None else _gguf_tokenizer(path, folder, name)
+        tok = load_tokenizer_folder(tokenizer) if tokenizer is not None else _gguf_tokenizer(path, folder, name, metadata)
         try:
             with quiet_transformers(), _no_tensor_bar():
                 model, info = from_pretrained(model_class_for(config), folder, gguf_file=name, dtype=dtype,
@@ -93,9 +93,10 @@ def load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu", 
     return LoadedModel(model.to(device) if device != "cpu" else model, tok, source, None, tokenizer)
 
 
-def check_gguf_header(path: Path) -> None:
+def check_gguf_header(path: Path) -> dict:
     """The file's layer count (`<arch>.block_count`) against the layers its tensors hold, from the header alone (no
-    tensor is read, no model built): a file claiming 100000 layers is refused in a moment, as is one lacking a layer."""
+    tensor is read, no model built): a file claiming 100000 layers is refused in a moment, as is one lacking a layer.
+    Returns the header's metadata."""
     try:
         from transformers.integrations.gguf.reader import read_gguf_metadata
 
@@ -107,7 +108,7 @@ def check_gguf_header(path: Path) -> None:
     arch = metadata.get("general.architecture")
     blocks = metadata.get(f"{arch}.block_count")
     if blocks is None:
-        return
+        return metadata
     held = {int(m.group(1)) for n in names if (m := _GGUF_LAYER.match(n))}
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1 or len(held) != blocks or held != set(range(blocks)):
         absent = sorted(set(range(blocks)) - held) if isinstance(blocks, int) and blocks <= len(names) else []
@@ -115,6 +116,7 @@ def check_gguf_header(path: Path) -> None:
         lacks = f" (none of blk.{absent[0]}'s)" if absent else ""
         raise HalfsafeError(f"{path} claims {blocks} layers ({arch}.block_count) but its tensors hold {holds}{lacks}: "
                             "the file is incomplete or its metadata wrong; re-download or re-convert it")
+    return metadata
 
 
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.")
@@ -149,15 +151,9 @@ def _no_tensor_bar():
         gguf_utils.tqdm = saved
 
 
-def _gguf_tokenizer(path: Path, folder: Path, name: str):
-    """The tokenizer the GGUF file holds, None where it holds none (text is then fed as byte ids); refused where it
-    holds one that does not load."""
-    try:
-        from transformers.integrations.gguf.reader import read_gguf_metadata
-
-        metadata, _ = read_gguf_metadata(name)
-    except Exception:
-        metadata = {}
+def _gguf_tokenizer(path: Path, folder: Path, name: str, metadata: dict):
+    """The tokenizer the GGUF file holds (its header's `metadata` says whether it holds one), None where it holds none
+    (text is then fed as byte ids); refused where it holds one that does not load."""
     if _GGUF_TOKENIZER not in metadata:
         return None
     try:

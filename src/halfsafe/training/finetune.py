@@ -453,7 +453,7 @@ def finetune_checkpoint(
         if restart and resume_from:
             raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
         if resume_from:  # a regular file (a FIFO would hang the read)
-            from ..io.paths import input_file
+            from ..filetypes import input_file
 
             input_file(resume_from, "--resume-from", f"give the state file ({STATE_NAME} in the partial folder)")
         else:
