@@ -14,7 +14,7 @@ written in the order below, the same bytes for the same run, whatever version of
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -167,6 +167,7 @@ class Record:
     applied: Applied | None = None
     versions: Versions = field(default_factory=Versions.current)
     format: int = RECORD_FORMAT
+    fingerprint: dict | None = None  # what was written (halfsafe_serve.fingerprint), set by `write`; last in the file
 
     def __post_init__(self) -> None:
         if (self.conversion is None) == (self.applied is None) or (self.finetuned and not self.conversion):
@@ -179,7 +180,7 @@ class Record:
     def to_dict(self) -> dict:
         done = [s.to_dict() for s in (self.conversion, self.finetuned, self.applied) if s is not None]
         return {**({"format": self.format} if self.format != 1 else {}), **self.versions.to_dict(), "source": self.source,
-                **{k: v for d in done for k, v in d.items()}}
+                **{k: v for d in done for k, v in d.items()}, **({"fingerprint": self.fingerprint} if self.fingerprint else {})}
 
     @classmethod
     def from_dict(cls, d: object) -> "Record":
@@ -192,18 +193,24 @@ class Record:
         if version > RECORD_FORMAT:
             raise HalfsafeError(f"this {FILE} is format {version}, written by halfsafe {d.get('halfsafe_version', '?')}; "
                                 f"this halfsafe reads formats up to {RECORD_FORMAT}: upgrade halfsafe")
+        fingerprint = d["fingerprint"] if isinstance(d.get("fingerprint"), dict) else None
         try:
             if "applied_plan_from" in d:
-                return cls(str(d.get("source")), applied=Applied.from_dict(d), versions=Versions.from_dict(d), format=version)
+                return cls(str(d.get("source")), applied=Applied.from_dict(d), versions=Versions.from_dict(d), format=version,
+                           fingerprint=fingerprint)
             return cls(str(d.get("source")), Conversion.from_dict(d), Finetuned.from_dict(d) if "finetune" in d else None,
-                       versions=Versions.from_dict(d), format=version)
+                       versions=Versions.from_dict(d), format=version, fingerprint=fingerprint)
         except (KeyError, TypeError) as e:
             _refuse(f"{type(e).__name__}: {e}")
 
 
 def write(folder: Path, record: Record | None) -> None:
-    """`folder`/halfsafe.json. None: only the versions (a folder halfsafe wrote without a plan: its engine's tests)."""
-    d = record.to_dict() if record is not None else Versions.current().to_dict()
+    """`folder`/halfsafe.json, written after the weights and config: the record with the fingerprint of what is in
+    `folder` now (what lets a serving engine trust it, halfsafe_serve). None: only the versions (a folder halfsafe
+    wrote without a plan: its engine's tests)."""
+    from halfsafe_serve.fingerprint import fingerprint
+
+    d = replace(record, fingerprint=fingerprint(Path(folder))).to_dict() if record is not None else Versions.current().to_dict()
     (Path(folder) / FILE).write_text(json.dumps(d, indent=2, allow_nan=True) + "\n")
 
 
