@@ -205,12 +205,15 @@ class Record:
 
 
 def write(folder: Path, record: Record | None) -> None:
-    """`folder`/halfsafe.json, written after the weights and config: the record with the fingerprint of what is in
-    `folder` now (what lets a serving engine trust it, halfsafe_serve). None: only the versions (a folder halfsafe
-    wrote without a plan: its engine's tests)."""
+    """`folder`/halfsafe.json, written after the weights and config. A record made by this run gets the fingerprint of
+    what is in `folder` now (what lets a serving engine trust it: halfsafe_serve); one read back keeps its own.
+    None: only the versions (a folder halfsafe wrote without a plan: its engine's tests)."""
     from halfsafe_serve.fingerprint import fingerprint
 
-    d = replace(record, fingerprint=fingerprint(Path(folder))).to_dict() if record is not None else Versions.current().to_dict()
+    if record is not None and record.fingerprint is None:
+        made = fingerprint(Path(folder))
+        record = replace(record, fingerprint=made if made["sha256"] else None)
+    d = record.to_dict() if record is not None else Versions.current().to_dict()
     (Path(folder) / FILE).write_text(json.dumps(d, indent=2, allow_nan=True) + "\n")
 
 
