@@ -414,6 +414,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(halfsafe.calibration, "make_samples", record("samples", lambda: [sample]))  # cut in halfsafe.job
     monkeypatch.setattr(convert, "make_fp16_safe", record("make", report))
     monkeypatch.setattr(convert, "apply_measured_", record("apply", list))
+    monkeypatch.setattr(convert, "check_plan", record("fits"))  # apply: the plan's names and shapes, right after loading
     return SimpleNamespace(calls=calls, loaded=loaded, report=report, sample=sample, record=record)
 
 
@@ -427,7 +428,7 @@ def test_convert_checkpoint_defaults_reach_each_step(recorded):
         ("samples", ([default_text()], "TOK", 300, 512, 8), {}),
         ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None, "fp16_arith": None}),
         ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), False,
-                  shard_size(DEFAULT_MAX_SHARD_SIZE), True), {}),
+                  shard_size(DEFAULT_MAX_SHARD_SIZE), True), {"finish": None}),
     ]
 
 
@@ -442,7 +443,7 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
         ("samples", (["a text"], "TOK", 300, 64, None), {}),
         ("long", ("TOK", 300, 2), {}),
         ("make", (m, [r.sample, "LONG"]), {"headroom_bits": 3.0, "allow_unfixable": True, "progress": False, "max_context": None, "fp16_arith": None}),
-        ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, 10**9, False), {}),
+        ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, 10**9, False), {"finish": None}),
     ]
     r.calls.clear()
     convert_checkpoint("src", "out", max_context=1000)
@@ -484,6 +485,7 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
         ("check", ("out", False), {"inputs": input_paths("src")}),
         ("load", ("src",), {"stream": True, "device": "auto"}),
         ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
+        ("fits", (m, plan), {}),  # before the samples and anything slow
         ("samples", ([default_text()], "TOK", 300, 256, 2), {}),  # cut before the work, as for every command (halfsafe.job)
         ("apply", (m, plan), {}),
         ("scan", (m, [r.sample]), {"fp16_check": True, "progress": True, "name": "src"}),
@@ -500,7 +502,7 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
             "scan_after": {"fp16_safe": safe, "first_nonfinite_fp16": None if safe else "y:out", "peak_site": "x:out",
                            "headroom_bits": bits, "margin_kept": kept}, "tensor_storage": []}
     saved = r.calls[-1][1][3]  # the record, as halfsafe.json will hold it
-    assert r.calls == [*steps, ("save", (m, "TOK again", "out", saved, Path("/the/source"), False, shard_size(DEFAULT_MAX_SHARD_SIZE), True), {})]
+    assert r.calls == [*steps, ("save", (m, "TOK again", "out", saved, Path("/the/source"), False, shard_size(DEFAULT_MAX_SHARD_SIZE), True), {"finish": None})]
     assert saved.to_dict() == {**Versions.current().to_dict(), **info}
 
 
@@ -511,11 +513,11 @@ def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_pat
     monkeypatch.setattr(convert, "scan", r.record("scan", _scanned(3.0, True)))
     apply_checkpoint(tmp_path / "plan.json", Path("src"), "out", texts=["t"], seq_len=32, max_samples=None, overwrite=True,
                      progress=False, stream=False, device="cpu")
-    assert [c[:2] for c in r.calls[:5]] == [("check", ("out", True)), ("load", (Path("src"),)), ("check", ("out", True, 12345)),
-                                            ("samples", (["t"], "TOK", 300, 32, None)), ("apply", (m, plan))]
+    assert [c[:2] for c in r.calls[:6]] == [("check", ("out", True)), ("load", (Path("src"),)), ("check", ("out", True, 12345)),
+                                            ("fits", (m, plan)), ("samples", (["t"], "TOK", 300, 32, None)), ("apply", (m, plan))]
     assert r.calls[1][2] == {"stream": False, "device": "cpu"}
-    assert r.calls[5][2] == {"fp16_check": True, "progress": False, "name": "src"}
-    assert r.calls[6][1][3].source == "src" and r.calls[6][1][5:] == (True, shard_size(DEFAULT_MAX_SHARD_SIZE), False)
+    assert r.calls[6][2] == {"fp16_check": True, "progress": False, "name": "src"}
+    assert r.calls[7][1][3].source == "src" and r.calls[7][1][5:] == (True, shard_size(DEFAULT_MAX_SHARD_SIZE), False)
     # a plan that cannot be read fails after the first output check, before loading
     r.calls.clear()
     with pytest.raises(HalfsafeError, match="cannot read a plan"):

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
@@ -147,8 +146,7 @@ def test_a_killed_run_leaves_no_output_and_the_next_run_cleans_up(src, tmp_path,
 def test_overwrite_keeps_the_old_checkpoint_until_the_new_one_is_complete(src, tmp_path, point):
     out = tmp_path / "out"
     assert main(["convert", str(src), str(out), *CONVERT]) == 0
-    marker = uuid.uuid4().hex
-    (out / "marker.txt").write_text(marker)
+    before, folder = folder_hash(out), os.stat(out).st_ino  # (a file added to it would make --overwrite refuse it)
     assert _killed_convert(src, out, point, "--overwrite") == -9
     # killed mid-swap the old folder sits aside; the next run (or this check) must find a complete checkpoint
     if not out.exists():
@@ -157,10 +155,10 @@ def test_overwrite_keeps_the_old_checkpoint_until_the_new_one_is_complete(src, t
         from halfsafe.io.checkpoint import clean_stale
 
         clean_stale(out)
-    assert (out / "marker.txt").read_text() == marker  # the old checkpoint, intact
+    assert folder_hash(out) == before and os.stat(out).st_ino == folder  # the old checkpoint, intact
     assert json.loads((out / "halfsafe.json").read_text())["plan"]
     assert main(["convert", str(src), str(out), *CONVERT, "--overwrite"]) == 0
-    assert not (out / "marker.txt").exists() and not _leftovers(out)
+    assert os.stat(out).st_ino != folder and not _leftovers(out)
 
 
 # --- --overwrite replaces only halfsafe's own output, and never a folder that appeared meanwhile --------------------

@@ -7,11 +7,12 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from ._version import __version__
 from .errors import HalfsafeError
@@ -77,18 +78,25 @@ def _add_text_args(p: argparse.ArgumentParser, seq_len: int = 512, max_samples: 
     p.add_argument("--max-samples", type=_count(1), default=max_samples, help=f"samples at most (default {max_samples})")
 
 
-def _samples(args, loaded):
-    from .calibration import make_samples, read_texts
+def _samples(args, loaded, texts):
+    from .calibration import make_samples
 
-    texts = read_texts(args.text)
     return make_samples(texts, loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, args.seq_len, args.max_samples)
 
 
+def _say(text: str) -> None:
+    """A line that names a user's path, printed as it is: no Rich markup or emoji codes read in it, never wrapped."""
+    console.print(text, markup=False, emoji=False, soft_wrap=True)
+
+
 def _write_json(path: str | None, data: dict) -> None:
+    """The report, written whole or not at all (halfsafe.io.paths.write_file)."""
+    from .io.paths import write_file
+
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
-        console.print(f"wrote {path}")
+        text = json.dumps(data, indent=2, allow_nan=True) + "\n"
+        write_file(path, lambda tmp: tmp.write_text(text), "--json")
+        _say(f"wrote {path}")
 
 
 def _runtime_option(p, what: str) -> None:
@@ -129,19 +137,22 @@ def _engine_options(p) -> None:
 
 
 def cmd_scan(args) -> int:
+    from .calibration import read_texts
     from .display import scan_tables
     from .io.loading import load_model
     from .plots import plot_layer_peaks
     from .scan import scan
 
+    texts = read_texts(args.text)  # checked before the model loads
     loaded = load_model(args.model, stream=not args.whole, device=args.device, **_tokenizer_kwarg(args))
-    report = scan(loaded.model, _samples(args, loaded), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
+    report = scan(loaded.model, _samples(args, loaded, texts), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
                   fp16_arith=args.fp16_arith)
     scan_tables(report, console, top=args.top)
     _write_json(args.json, report.to_dict())
     if args.plot:
-        plot_layer_peaks({"float32 run": [l.residual_peak for l in report.layers]}, args.plot, f"{args.model}: residual peak per layer")
-        console.print(f"wrote {args.plot}")
+        written = plot_layer_peaks({"float32 run": [l.residual_peak for l in report.layers]}, args.plot,
+                                   f"{args.model}: residual peak per layer")
+        _say(f"wrote {written}")
     return 0
 
 
@@ -159,32 +170,35 @@ def cmd_convert(args) -> int:
         require_onnx()  # fail before the slow part
         check_folder_exportable(args.model)
         runtime = runtime.without_norm_stats()  # the graph prescales its norms; the checkpoint meets the rest
+    exported = []
+
+    def export(folder: Path) -> None:  # --to onnx: into the checkpoint's temporary folder, before it becomes OUT
+        from .export.onnx import add_onnx
+        from .progress import phase
+
+        with phase("export"):  # recorded with convert_checkpoint's phases, after the write
+            exported.append(add_onnx(folder, runtime=args.runtime, final=args.out))
+
     report = convert_checkpoint(
         args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
         headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
         max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
         max_shard_size=args.max_shard_size, runtime=None if runtime.is_torch else runtime, fp16_arith=args.fp16_arith,
-        **_tokenizer_kwarg(args),
+        finish=export if args.to == "onnx" else None, **_tokenizer_kwarg(args),
     )
     conversion_tables(report, console)
-    console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
-    if args.to == "onnx":
-        from .export.onnx import add_onnx
-        from .progress import phase
-
-        with phase("export") as exported:
-            onnx_report = add_onnx(args.out, runtime=args.runtime)
-        report.phases.append(exported.record())
+    _say(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")  # OUT is in place, the ONNX inside it
+    for onnx_report in exported:
         shifts = [p["shift"] for p in onnx_report.norm_prescales.values()]
-        console.print(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {args.runtime}: {len(shifts)} norms prescaled by "
-                      f"2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm" if shifts else "") + ")")
+        _say(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {args.runtime}: {len(shifts)} norms prescaled by "
+             f"2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm" if shifts else "") + ")")
     _write_json(args.json, {"source": args.model, **report.to_dict(), "phases": report.phases})
     if args.plot:
-        plot_layer_peaks(
+        written = plot_layer_peaks(
             {"before": [l.residual_peak for l in report.scan_before.layers], "after (fp16 checkpoint)": [v for _, v in report.layers_after]},
             args.plot, f"{args.model}: residual peak per layer, before and after",
         )
-        console.print(f"wrote {args.plot}")
+        _say(f"wrote {written}")
     return 0
 
 
@@ -196,7 +210,7 @@ def cmd_apply(args) -> int:
                                    max_samples=args.max_samples, overwrite=args.overwrite, stream=not args.whole, device=args.device,
                                    **_tokenizer_kwarg(args))
     peak = after.peak  # apply_checkpoint refuses (and writes nothing) when the result is not fp16-safe
-    console.print(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
+    _say(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
     kept = "keeps" if peak.headroom_bits >= plan.headroom_bits else "does NOT keep"
     console.print(f"fp16-safe on the check text: peak {peak.abs_max:.4g} at {peak.name}, {peak.headroom_bits:.2f} bits "
                   f"under 65504 ({kept} the plan's {plan.headroom_bits:.2f}-bit margin)")
@@ -219,10 +233,10 @@ def cmd_demo(args) -> int:
     samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, 512, 8)
     scan_tables(scan(loaded.model, samples, fp16_check=True, name=DEFAULT_MODEL), console, top=6)
     del loaded
-    console.rule(f"2/3  halfsafe convert {DEFAULT_MODEL} {out}")
+    console.rule(Text(f"2/3  halfsafe convert {DEFAULT_MODEL} {out}"))  # a Text: the path as it is
     conversion_tables(convert_checkpoint(DEFAULT_MODEL, str(out), overwrite=True), console)
-    console.print(f"wrote {out}")
-    console.rule(f"3/3  halfsafe verify {DEFAULT_MODEL} {out}")
+    _say(f"wrote {out}")
+    console.rule(Text(f"3/3  halfsafe verify {DEFAULT_MODEL} {out}"))
     report = verify(DEFAULT_MODEL, str(out), seq_len=args.seq_len, max_samples=args.max_samples, greedy_tokens=args.greedy_tokens)
     verify_tables(report, console)
     return 0
@@ -265,7 +279,7 @@ def cmd_finetune(args) -> int:
         console.print(f"  {site}: |x| max {report.peaks_before.get(site, float('nan')):.4g} -> {report.peaks_after.get(site, float('nan')):.4g}")
     console.print(f"{report.steps} steps; {report.stop_reason}; mean KL to the original {report.kl:.2e} nats/token")
     console.print(f"float16 check: finite = {fp16['finite']}, largest |x| {fp16['peak']:.4g} at {fp16['peak_site']}")
-    console.print(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
+    _say(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")
     _write_json(args.json, {"finetune": report.to_dict(), "conversion": conversion.to_dict(), "fp16_check": fp16})
     return 0
 
@@ -286,7 +300,7 @@ def cmd_verify(args) -> int:
     _write_json(args.json, report.to_dict())
     if args.plot:
         for path in write_plots(report, args.plot):
-            console.print(f"wrote {path}")
+            _say(f"wrote {path}")
     return 0
 
 
@@ -296,7 +310,7 @@ def cmd_export(args) -> int:
 
     with phase("export"):
         report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan, runtime=args.runtime)  # warns if not converted
-    console.print(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
+    _say(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
     if report.norm_prescales:
         shifts = [p["shift"] for p in report.norm_prescales.values()]
         console.print(f"--runtime {report.runtime}: {len(shifts)} norms prescaled by 2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm")
@@ -313,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r} (default)")
     _add_text_args(p)
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit (PATH's suffix names "
+                   "the format, e.g. .pdf or .svg; none: PATH.png)")
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
     p.add_argument("--top", type=_count(1), default=12, help="rows in the tightest-tensors table")
     _runtime_option(p, "also measure what would overflow")
@@ -330,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom-bits", type=_number, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
     p.add_argument("--long-sample", type=_count(2), metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON: halfsafe.json's content and the time each phase took")
@@ -348,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("converted", help="the folder `halfsafe convert` wrote")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     _runtime_option(p, "compute the norms (prescaled inside each norm) to run")
     p.set_defaults(func=cmd_export)
@@ -359,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p, seq_len=256, max_samples=2)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
     _tokenizer_option(p)
     p.set_defaults(func=cmd_apply)
 
@@ -392,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-from", metavar="STATE", help="resume from this state file instead of OUT's partial folder")
     p.add_argument("--restart", action="store_true", help="discard a saved training state and start over")
     p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (it has halfsafe.json) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
     _device_option(p, "where the whole model trains")
     _tokenizer_option(p)
@@ -415,15 +430,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _keep_reports_out_of_inputs(args) -> None:
-    """--json and --plot never write into (or over) the model or the converted folder being read."""
-    from .io.checkpoint import refuse_overlap
+def _check_reports(args) -> None:
+    """--json and --plot, right after parsing (before anything loads): never written into, over or around the model
+    or the converted folder being read (a hard link to one of their files included), nor over OUT or each other; a
+    file, not a folder, whose names fit the file system and whose folder can be made; --plot in a format matplotlib
+    writes here (halfsafe.plots.plot_file)."""
     from .io.loading import input_paths
+    from .io.paths import check_report_path
 
     inputs = [p for name in ("model", "converted", "tokenizer") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
-    for path in (getattr(args, "json", None), getattr(args, "plot", None)):
-        if path:
-            refuse_overlap(path, inputs)
+    reports = [("--json", Path(args.json))] if getattr(args, "json", None) else []
+    if getattr(args, "plot", None):
+        if args.command == "verify":
+            from .verify.plots import plot_files
+
+            reports += [("--plot", p) for p in plot_files(args.plot)]
+        else:
+            from .plots import plot_file
+
+            reports.append(("--plot", plot_file(args.plot)[0]))
+    seen = {}
+    for what, path in reports:
+        check_report_path(path, what, inputs)
+        where = os.path.realpath(path)
+        if getattr(args, "out", None) and where == os.path.realpath(args.out):
+            raise HalfsafeError(f"{what} {path} is the output folder: name a file for the report")
+        if where in seen:
+            raise HalfsafeError(f"{what} {path} and {seen[where]} name the same file: give each report its own")
+        seen[where] = f"{what} {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,11 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     from . import progress
 
     try:
-        _keep_reports_out_of_inputs(args)
+        _check_reports(args)
         progress.show()  # on stderr: a bar on a terminal, a plain line every few seconds in a file or a CI log
         return args.func(args)
     except HalfsafeError as e:
-        err_console.print(f"[red]error:[/] {escape(' '.join(str(e).split()))}", highlight=False, soft_wrap=True)  # one line
+        line = re.sub(r"\s*[\r\n]\s*", " ", str(e)).strip()  # one line; a path's own spaces kept as they are
+        err_console.print(Text.assemble(("error:", "red"), f" {line}"), highlight=False, soft_wrap=True)  # a Text: no markup read
         return 2
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -354,7 +356,14 @@ def _layers_after(report: ScanReport, constraints: list[Constraint], exps: dict[
 def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
     """Apply a saved plan to a model of the same architecture (in place). Refused, before any weight changes, if the
     model's names or shapes differ from the plan's, or if today's family data would move other tensors than the
-    plan lists (a plan from another halfsafe version must never silently mean something else)."""
+    plan lists (a plan from another halfsafe version must never silently mean something else): `check_plan`."""
+    family, groups = check_plan(model, plan)
+    apply_exponents_(model, family, groups, plan.exponents)
+
+
+def check_plan(model: PreTrainedModel, plan: Plan):
+    """Whether `plan` fits `model` (see `apply_plan_`), refused in one line if not; nothing is read but names and
+    shapes, so `apply` checks this right after loading, before anything slow. Returns (family, groups)."""
     if plan.model_type != model.config.model_type:
         raise HalfsafeError(f"the plan is for model_type {plan.model_type!r}, this model is {model.config.model_type!r}")
     family = family_for(model.config.model_type)
@@ -374,7 +383,7 @@ def apply_plan_(model: PreTrainedModel, plan: Plan) -> None:
     if checked and keyed(tensor_table(groups, plan.exponents)) != keyed(plan.tensors):
         raise HalfsafeError(f"the plan's tensor list (halfsafe {plan.halfsafe_version or '0.1.0'}) differs from what today's "
                             f"{family.name} data moves for the same groups: convert the model again")
-    apply_exponents_(model, family, groups, plan.exponents)
+    return family, groups
 
 
 STORAGE_LIMIT = 0.01  # relative L2 error of a tensor's fp16 copy that means it is lost; rounding alone gives ~3e-4
@@ -419,11 +428,13 @@ def convert_checkpoint(
     runtime: str | None = None,
     fp16_arith: str | None = None,
     tokenizer: str | None = None,
+    finish: Callable[[Path], None] | None = None,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`.
-    `tokenizer`: a folder to take the tokenizer from (and save with the result) instead of MODEL's own."""
+    `tokenizer`: a folder to take the tokenizer from (and save with the result) instead of MODEL's own.
+    `finish(folder)` adds to the saved checkpoint in its temporary folder before it becomes `out` (convert --to onnx)."""
     from .calibration import long_sample_ids
 
     def check() -> None:
@@ -444,7 +455,8 @@ def convert_checkpoint(
 
     options = Options(overwrite, stream, device, progress, texts, seq_len, max_samples, max_shard_size, tokenizer)
     # the long sample goes last: samples[0] stays the probe/eval input
-    return run(source, out, options, work, check, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None)
+    return run(source, out, options, work, check, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None,
+               finish=finish)
 
 
 def apply_checkpoint(
@@ -475,4 +487,4 @@ def apply_checkpoint(
         return Output((plan, after), Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage)))
 
     return run(source, out, Options(overwrite, stream, device, progress, texts, seq_len, max_samples, tokenizer=tokenizer), work,
-               check)
+               check, loaded_check=lambda loaded: check_plan(loaded.model, plans[0]))  # a plan that does not fit: before the slow part

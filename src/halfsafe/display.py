@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .convert import ConversionReport
 from .core.formats import FormatInfo
 from .core.sites import headroom_bits
 from .core.stats import PERCENTILE
 from .scan import ScanReport
+
+
+def _plain(title: str) -> Text:
+    """A table title that holds a user's path or file name, shown as it is (no Rich markup or emoji codes read)."""
+    return Text(title, style="table.title")
 
 
 def fmt(x: float) -> str:
@@ -22,7 +28,7 @@ def headroom_cell(bits: float) -> str:
 
 
 def scan_tables(report: ScanReport, console: Console, top: int = 12) -> None:
-    layers = Table(title=f"Residual stream per layer: {report.model}", title_justify="left")
+    layers = Table(title=_plain(f"Residual stream per layer: {report.model}"), title_justify="left")
     for col in ("layer", "residual |x| max", "headroom bits", "largest inside", "at"):
         layers.add_column(col, justify="right" if col != "at" and col != "layer" else "left")
     for l in report.layers:
@@ -130,7 +136,7 @@ def _opt(x, spec: str) -> str:
 def verify_tables(report, console: Console) -> None:
     """`halfsafe verify`: one row per variant, overall; then one table per text when there are several."""
     texts = ", ".join(f"{t['name']} ({t['samples']} x <= {report.seq_len} tokens)" for t in report.texts)
-    t = Table(title=f"{report.model} vs its float32 run on {texts}", title_justify="left")
+    t = Table(title=_plain(f"{report.model} vs its float32 run on {texts}"), title_justify="left")
     for col in ("variant", "custom code", "non-finite logits", "KL to fp32 / token", "top-1", "perplexity",
                 "max |logit err|", "greedy = fp32", "weights", "peak activations"):
         t.add_column(col, justify="left" if col == "variant" else "right", no_wrap=col == "variant")
@@ -144,7 +150,7 @@ def verify_tables(report, console: Console) -> None:
     console.print(t)
     if len(report.texts) > 1:
         for i, text in enumerate(report.texts):
-            per = Table(title=f"{text['name']}", title_justify="left")
+            per = Table(title=_plain(text["name"]), title_justify="left")
             for col in ("variant", "non-finite logits", "KL / token", "top-1", "perplexity", "greedy = fp32"):
                 per.add_column(col, justify="left" if col == "variant" else "right")
             for r in report.results:

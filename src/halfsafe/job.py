@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
@@ -59,9 +60,12 @@ class Options:
 
 
 def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: Callable[[], None] | None = None,
-        extra: Extra | None = None) -> T:
+        extra: Extra | None = None, loaded_check: Callable[[LoadedModel], None] | None = None,
+        finish: Callable[[Path], None] | None = None) -> T:
     """load -> samples -> work -> save. `check` checks the command's own options (after the output, before loading);
-    `extra(tokenizer, vocab)`, when given, is one more sample, appended after the text's."""
+    `loaded_check(loaded)` what needs the model, right after it loads (before the samples and the work);
+    `extra(tokenizer, vocab)`, when given, is one more sample, appended after the text's; `finish(folder)` adds to
+    the saved checkpoint in its temporary folder, before it becomes OUT (io.checkpoint.save_fp16_checkpoint)."""
     from .io.checkpoint import save_fp16_checkpoint, shard_size
 
     check_output(source, out, options.overwrite, options.tokenizer)  # the output, then the options, before the slow part
@@ -69,11 +73,13 @@ def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: 
         check()
     max_shard_size = shard_size(options.max_shard_size)
     loaded = start(source, out, options.overwrite, options.stream, options.device, options.progress, options.tokenizer)
+    if loaded_check is not None:
+        loaded_check(loaded)
     job, tokenizer = calibration(loaded, options.texts, options.seq_len, options.max_samples, extra)
     done = work(job)
     with done.writing:
         save_fp16_checkpoint(loaded.model, tokenizer(), out, done.record, loaded.folder, options.overwrite, max_shard_size,
-                             options.progress)
+                             options.progress, finish=finish)
     return done.result
 
 

@@ -18,6 +18,7 @@ RECORD_FORMAT = 1  # the newest halfsafe.json format this reader knows (halfsafe
 # what the fingerprint covers: the config and anything a loader could take weights from, at the folder's top level
 _COVERED = ("config.json", "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
             "*.gguf")
+WEIGHTLESS = {"config.json"}  # covered, but no weights: a folder holding only these has nothing to fingerprint
 _BLOCK = 1 << 24
 _known: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256 of a file whose bytes were hashed as written
 

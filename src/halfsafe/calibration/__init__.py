@@ -1,8 +1,15 @@
 """Calibration text: the embedded default (prose, code, numbers, many languages) or the user's files,
-cut into token samples."""
+cut into token samples.
+
+A user's file is checked when named (a regular file, UTF-8 text, not empty) and read when cut: only a prefix large
+enough for the samples asked (seq_len x max_samples tokens), grown while it gives too few tokens, so a 2 GB file
+costs what 32 tokens need. The whole file is read only where every sample is asked for (verify --max-samples 0).
+"""
 
 from __future__ import annotations
 
+import codecs
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
@@ -20,20 +27,77 @@ def heldout_text() -> str:
     return files(__package__).joinpath("heldout.txt").read_text(encoding="utf-8")
 
 
-def read_texts(paths: list[str | Path] | None) -> list[str]:
-    """The user's text files (each must exist and hold text), or the embedded default."""
+FIRST_READ = 1 << 16  # bytes read when a file is named: enough to say it holds UTF-8 text
+BYTES_PER_TOKEN = 16  # the first prefix read for n tokens: n x this (a token is rarely longer), then x4 while short
+MARGIN_TOKENS = 256  # tokens cut from a prefix's end beyond those used: a token near the cut may differ from the whole text's
+
+
+@dataclass(frozen=True)
+class TextFile:
+    """A user's text file (`read_texts`), read when cut into samples: as much of its start as the samples need."""
+
+    path: Path
+
+    def read(self, limit: int | None = None) -> tuple[str, bool]:
+        """The text of the file's first `limit` bytes (None: all of it), cut after its last line break (or space)
+        unless the file ends there, with newlines as Python's text mode reads them; and whether that is the whole
+        file."""
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read() if limit is None else f.read(limit + 1)
+        except OSError as e:
+            raise HalfsafeError(f"text file {self.path} cannot be read ({e.strerror}): pass another --text") from None
+        whole = limit is None or len(data) <= limit
+        if not whole:
+            data = data[:limit]
+            cut = max(data.rfind(b"\n"), data.rfind(b" "))  # never inside a UTF-8 character
+            data = data[:cut + 1] if cut >= 0 else data
+        try:
+            text = codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
+        except UnicodeDecodeError:
+            raise HalfsafeError(f"text file {self.path} is not UTF-8 text: convert it or pass another --text") from None
+        return text.replace("\r\n", "\n").replace("\r", "\n"), whole
+
+    def blank(self) -> bool:
+        """Whether the file holds nothing but white space: read until its first other character, a chunk at a time;
+        its first chunk must be UTF-8 text."""
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(self.path, "rb") as f:
+                while chunk := f.read(FIRST_READ):
+                    if decoder.decode(chunk).strip():
+                        return False
+                return not decoder.decode(b"", final=True).strip()
+        except UnicodeDecodeError:
+            raise HalfsafeError(f"text file {self.path} is not UTF-8 text: convert it or pass another --text") from None
+        except OSError as e:
+            raise HalfsafeError(f"text file {self.path} cannot be read ({e.strerror}): pass another --text") from None
+
+    def ids(self, tokenizer, vocab_size: int, needed: int | None) -> list[int]:
+        """Token ids of the file's start, at least `needed` of them where it holds that many (None: of the whole
+        file); the first `needed` are those of the whole text (MARGIN_TOKENS more are read and left at the cut)."""
+        size = None if needed is None else BYTES_PER_TOKEN * (needed + MARGIN_TOKENS)
+        while True:
+            text, whole = self.read(size)
+            ids = encode(text, tokenizer, vocab_size)
+            if whole:
+                return ids
+            if len(ids) >= needed + MARGIN_TOKENS:
+                return ids[:needed]
+            size *= 4
+
+
+def read_texts(paths: list[str | Path] | None) -> list[str | TextFile]:
+    """The user's text files (each a regular file that starts with UTF-8 text), or the embedded default. A file is
+    checked here, before anything slow, and read when `make_samples` cuts it (as much as it needs)."""
+    from ..io.paths import input_file
+
     if not paths:
         return [default_text()]
     texts = []
     for p in paths:
-        p = Path(p)
-        if not p.is_file():
-            raise HalfsafeError(f"text file {p} does not exist: pass --text with a path to a UTF-8 text file")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise HalfsafeError(f"text file {p} is not UTF-8 text: convert it or pass another --text") from None
-        if not text.strip():
+        text = TextFile(input_file(p, "text file", "pass --text with a path to a UTF-8 text file"))
+        if text.blank():
             raise HalfsafeError(f"text file {p} is empty: pass --text with a file that holds some text")
         texts.append(text)
     return texts
@@ -47,17 +111,21 @@ def encode(text: str, tokenizer, vocab_size: int) -> list[int]:
 
 
 def make_samples(
-    texts: list[str], tokenizer, vocab_size: int, seq_len: int = 512, max_samples: int | None = None
+    texts: list[str | TextFile], tokenizer, vocab_size: int, seq_len: int = 512, max_samples: int | None = None
 ) -> list[torch.Tensor]:
     """Cut each text into [1, seq_len] id tensors (the last piece may be shorter), each led by BOS
-    when the tokenizer has one: some models keep their largest activations at the BOS position."""
+    when the tokenizer has one: some models keep their largest activations at the BOS position. A TextFile is read
+    as far as the samples still to cut need."""
     if seq_len < 2:
         raise HalfsafeError(f"--seq-len {seq_len} is too short: use at least 2")
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     body = seq_len - (bos is not None)
     samples = []
     for text in texts:
-        ids = encode(text, tokenizer, vocab_size)
+        if isinstance(text, TextFile):
+            ids = text.ids(tokenizer, vocab_size, None if max_samples is None else body * (max_samples - len(samples)))
+        else:
+            ids = encode(text, tokenizer, vocab_size)
         for start in range(0, len(ids), body):
             piece = ids[start : start + body]
             if len(piece) < max(2, body // 8) and samples:

@@ -211,12 +211,20 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        import os
+        import stat
+
         from ..errors import HalfsafeError
+        from ..io.paths import kind
 
         path = Path(path)
         if path.is_dir():
             path = path / "halfsafe.json"
         try:
+            mode = os.stat(path).st_mode  # a regular file, before it is opened: a FIFO would hang the read
+            if not stat.S_ISREG(mode):
+                raise HalfsafeError(f"cannot read a plan from {path} (it is {kind(mode)}, not a file): pass a plan.json or a "
+                                    "converted folder")
             d = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError) as e:
             raise HalfsafeError(f"cannot read a plan from {path} ({type(e).__name__}): pass a plan.json or a converted folder") from None

@@ -411,10 +411,12 @@ _CARD_IO = {
 }
 
 
-def write_card(folder: Path, files: list[str], task: str = "text-generation", no_js_class: str | None = None) -> None:
+def write_card(folder: Path, files: list[str], task: str = "text-generation", no_js_class: str | None = None,
+               name: str | None = None) -> None:
     """The model card's ONNX section: what the files are and how transformers.js and ONNX Runtime load them
     (`no_js_class`: the model type transformers.js has no class for, then ONNX Runtime only). In a folder without
-    PyTorch weights the conversion section (which says to load them with transformers) is cut down."""
+    PyTorch weights the conversion section (which says to load them with transformers) is cut down. `name`: the
+    folder's name once in place (default: `folder`'s own; a temporary folder's name is not the model's)."""
     path = folder / "README.md"
     text = path.read_text() if path.is_file() else ""
     torch_weights = any(folder.glob("*.safetensors"))
@@ -422,7 +424,7 @@ def write_card(folder: Path, files: list[str], task: str = "text-generation", no
         text = text[: text.index(_CONVERSION_TITLE)].rstrip() + "\n"
     if _CARD_TITLE in text:
         text = text[: text.index(_CARD_TITLE)].rstrip() + "\n"
-    name = folder.name
+    name = name or folder.name
     converted = (folder / "halfsafe.json").is_file()
     sizes = ", ".join(f"`{f}` ({sum(p.stat().st_size for p in folder.glob(f + '*')) / 2**20:,.0f} MiB)" for f in files)
     generates = task in ("text-generation", "text2text-generation")
@@ -471,22 +473,24 @@ def _tokenizer_field(folder: Path, key: str):
 
 
 # The exporter modules (this one for decoders, onnx_seq2seq, onnx_encoder) each give: load_fp16(folder) -> model,
-# programs(model) -> (file, graph) pairs one at a time, and finish(folder): config, tokenizer and card for the files.
+# programs(model) -> (file, graph) pairs one at a time, and finish(folder, name): config, tokenizer and card for the
+# files (`name`: the folder's name once in place, for the card).
 
 def programs(model):
     yield ONNX_FILE, export_program(model)
 
 
-def finish(folder: Path) -> None:
+def finish(folder: Path, name: str | None = None) -> None:
     if (folder / "config.json").is_file():
         _mark_config(folder, (folder / (ONNX_FILE + EXTERNAL_DATA_SUFFIX)).exists())
     _mark_tokenizer(folder)
-    write_card(folder, [ONNX_FILE])
+    write_card(folder, [ONNX_FILE], name=name)
 
 
-def write_onnx(model, folder: Path, source: Path | None = None, exporter=None) -> Path:
+def write_onnx(model, folder: Path, source: Path | None = None, exporter=None, name: str | None = None) -> Path:
     """Export `model` (all-fp16) into `folder/onnx/` with `exporter` (default: this module, decoders); copy
-    `source`'s side files if given. Returns the last file written (the decoder of an encoder-decoder)."""
+    `source`'s side files if given; `name`: the folder's name once in place (the card's). Returns the last file
+    written (the decoder of an encoder-decoder)."""
     import sys
 
     exporter = exporter or sys.modules[__name__]
@@ -496,7 +500,7 @@ def write_onnx(model, folder: Path, source: Path | None = None, exporter=None) -
         del program
     if source is not None:
         _copy_side_files(source, folder)
-    exporter.finish(folder)
+    exporter.finish(folder, name)
     return path
 
 
@@ -530,6 +534,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder.
     `runtime`: a profile that computes norm statistics in float16 gets its norms prescaled (halfsafe.export.onnx_norms)."""
     from ..io.checkpoint import atomic_folder, check_out_dir
+    from ..io.report import seal
     from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
@@ -544,8 +549,13 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
     prescales, groups = rewrite_for(profile, model, folder)
-    with atomic_folder(out, replace=overwrite) as tmp:
-        path = out / write_onnx(model, tmp, source=folder, exporter=exporter).relative_to(tmp)
+    try:
+        with atomic_folder(out, replace=overwrite) as tmp:
+            path = out / write_onnx(model, tmp, source=folder, exporter=exporter, name=out.name).relative_to(tmp)
+            seal(tmp)  # the source's halfsafe.json now lists this folder's files (--overwrite checks them)
+    except OSError as e:
+        raise HalfsafeError(f"could not write {out} ({e.strerror or e}): nothing was left behind; free some space or "
+                            "choose another output folder") from None
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
     report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
     return report
@@ -566,11 +576,13 @@ def rewrite_for(profile, model, folder: Path) -> tuple[dict[str, dict], int]:
     return prescales, split_head_(model, profile)
 
 
-def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport:
+def add_onnx(folder: str | Path, runtime: str | None = None, final: str | Path | None = None) -> OnnxExportReport:
     """`halfsafe convert --to onnx`: add the ONNX files (`onnx/model_fp16.onnx`, or T5's encoder and decoder) to a
     converted checkpoint folder, beside its weights (the layout of a model repository that serves both transformers
-    and transformers.js). `runtime`: as for export_onnx."""
+    and transformers.js). `runtime`: as for export_onnx. `final`: where `folder` (the save's temporary folder) will
+    be once complete: the report's path and the card name it."""
     from ..io.checkpoint import atomic_folder
+    from ..io.report import seal
     from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
@@ -585,9 +597,12 @@ def add_onnx(folder: str | Path, runtime: str | None = None) -> OnnxExportReport
             path = folder / rel
             save_program(program, tmp / Path(rel).name)
             del program
-    exporter.finish(folder)
+    final = Path(final) if final is not None else folder
+    exporter.finish(folder, final.name)
+    seal(folder)  # the ONNX files too, and config, tokenizer and card as they are now
     warning = not_converted_warning(folder)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
+    report.path = str(final / path.relative_to(folder))
     report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
     return report
 

@@ -97,9 +97,9 @@ def programs(model):
     yield base.ONNX_FILE, export_program(model)
 
 
-def finish(folder: Path) -> None:
+def finish(folder: Path, name: str | None = None) -> None:
     from ..io.loading import read_config
 
     config = read_config(folder)
     base._mark_config(folder, (folder / (base.ONNX_FILE + base.EXTERNAL_DATA_SUFFIX)).exists(), kv_cache=False)
-    base.write_card(folder, [base.ONNX_FILE], task=task_of(config))
+    base.write_card(folder, [base.ONNX_FILE], task=task_of(config), name=name)

@@ -198,14 +198,14 @@ def programs(model):
     yield DECODER_FILE, decoder_program(model)
 
 
-def finish(folder: Path) -> None:
+def finish(folder: Path, name: str | None = None) -> None:
     if (folder / "config.json").is_file():
         external = [Path(f).name for f in (ENCODER_FILE, DECODER_FILE) if (folder / (f + base.EXTERNAL_DATA_SUFFIX)).exists()]
         base._mark_config(folder, external)
     base._mark_tokenizer(folder)
     model_type = json.loads((folder / "config.json").read_text()).get("model_type") if (folder / "config.json").is_file() else None
     base.write_card(folder, [ENCODER_FILE, DECODER_FILE], task="text2text-generation",
-                    no_js_class=model_type if model_type in NO_JS_CLASS else None)
+                    no_js_class=model_type if model_type in NO_JS_CLASS else None, name=name)
 
 
 class OnnxSeq2Seq:

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,14 +23,11 @@ from transformers import PreTrainedModel
 
 from ..engine.write import DEFAULT_MAX_SHARD_SIZE, save_fp16
 from ..errors import HalfsafeError
-from . import card, report
+from . import card, owned, report
 from .report import Record
 
 log = logging.getLogger(__name__)
 _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal text of the source travels with it
-
-
-_PID_FILE = ".halfsafe-pid"  # inside a temporary folder: the process writing it, so a later run knows it died
 
 
 @contextmanager
@@ -38,54 +36,66 @@ def atomic_folder(out: Path, replace: bool = False):
     `replace`: the folder at `out` when the block starts may be replaced (it is renamed aside first and deleted only
     once the new one is in place, so a crash at any moment leaves the old or the new folder, never a half-written
     one). Nothing else is ever replaced: a folder that appeared at `out` meanwhile (another run's) stays, and this
-    run fails in one line."""
+    run fails in one line. The temporary and the old folder carry halfsafe's mark (io.owned) until they are gone, so
+    that a later run can tell them, and only them, from a user's folder of the same name."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
     seen = _identity(out) if replace else None
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    (tmp / _PID_FILE).write_text(str(os.getpid()))
+    made = owned.identity(tmp)
+    run = owned.mark(tmp, out, owned.TEMPORARY)
     old = None
     try:
         yield tmp
-        (tmp / _PID_FILE).unlink()
         tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is ordinary
-        old = _swap_in(tmp, out, seen)
+        old, old_made = _swap_in(tmp, out, seen)
+        owned.unmark(out, run)  # the mark moved in with the folder: proven ours (io.owned), it goes now
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        owned.release(run)
+        owned.remove(tmp, made)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            owned.remove(old, old_made)
 
 
-def _swap_in(tmp: Path, out: Path, seen: tuple[int, int] | None) -> Path | None:
+def _swap_in(tmp: Path, out: Path, seen: tuple[int, int] | None) -> tuple[Path | None, list[int] | None]:
     """Rename `tmp` to `out`, moving aside the folder `seen` (only that one) first; returns the folder holding the
-    old one (to delete), or None."""
+    old one (to delete) and its identity, or None."""
     appeared = HalfsafeError(f"{out} appeared while this run was writing it (another halfsafe run?): it was left as it "
                              "is and this run saved nothing; choose another output folder")
-    old = None
+    old = made = run = None
     if seen is not None and os.path.lexists(out):
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        (old / _PID_FILE).write_text(str(os.getpid()))
-        out.rename(old / out.name)
-        if _identity(old / out.name) != seen:  # not the folder this run may replace: put it back
+        made = owned.identity(old)
+        run = owned.mark(old, out, owned.OLD, next=owned.identity(tmp))
+        try:
+            out.rename(old / out.name)
+            if _identity(old / out.name) != seen:  # not the folder this run may replace: put it back
+                try:
+                    _rename_noreplace(old / out.name, out)
+                    owned.remove(old, made)
+                except OSError:
+                    owned.unmark(old)  # another run's folder: kept, never a leftover a later run may delete
+                    log.warning("another run's output is kept in %s", old)
+                raise appeared
             try:
-                _rename_noreplace(old / out.name, out)
-                shutil.rmtree(old, ignore_errors=True)
-            except OSError:
-                log.warning("another run's output is kept in %s", old)
-            raise appeared
+                _rename_noreplace(tmp, out)
+            except FileExistsError:
+                owned.unmark(old)  # the user's folder, kept where this says: a later run leaves it there
+                log.warning("the folder this run replaces is kept in %s", old)
+                raise appeared from None
+            except OSError:  # put the old folder back
+                (old / out.name).rename(out)
+                owned.remove(old, made)
+                raise
+        finally:
+            owned.release(run)
+        return old, made
     try:
         _rename_noreplace(tmp, out)
     except FileExistsError:
-        if old is not None:
-            log.warning("the folder this run replaces is kept in %s", old)
         raise appeared from None
-    except OSError:
-        if old is not None:  # put the old folder back
-            (old / out.name).rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    return old
+    return None, None
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -117,35 +127,40 @@ def _rename_noreplace(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def clean_stale(out: Path) -> list[Path]:
-    """Remove what a killed run left beside `out` (`.OUT.tmp-*`, `.OUT.old-*` whose process is gone), saying so;
-    an `.OUT.old-*` still holding a complete folder while `out` is missing is moved back first."""
-    removed = []
-    if not out.parent.is_dir():
+    """Remove what a killed run left beside `out` (`.OUT.tmp-*`, `.OUT.old-*`), saying so; an `.OUT.old-*` still
+    holding a folder while `out` is missing is moved back first. Only folders whose mark proves halfsafe made them for
+    `out` (io.owned), and whose run has ended, are touched; any other folder of such a name is left as it is, with
+    one warning line."""
+    removed: list[Path] = []
+    out = Path(out)
+    try:
+        names = sorted(e.name for e in os.scandir(out.parent))
+    except OSError:
         return removed
-    for leftover in sorted(out.parent.glob(f".{out.name}.tmp-*")) + sorted(out.parent.glob(f".{out.name}.old-*")):
-        try:
-            pid = int((leftover / _PID_FILE).read_text())
-        except (OSError, ValueError):
-            pid = None
-        if pid is not None and pid != os.getpid() and _alive(pid):
-            continue  # another run is writing it now
-        kept = leftover / out.name
-        if leftover.name.startswith(f".{out.name}.old-") and kept.is_dir() and not out.exists():
-            kept.rename(out)  # killed between renaming the old folder aside and the new one in
-        shutil.rmtree(leftover, ignore_errors=True)
-        removed.append(leftover)
-        log.warning("removed %s, left by a halfsafe run that did not finish", leftover)
+    for kind, prefix in ((owned.TEMPORARY, f".{out.name}.tmp-"), (owned.OLD, f".{out.name}.old-")):
+        for name in (n for n in names if n.startswith(prefix)):
+            leftover = out.parent / name
+            m = owned.owned(leftover, out, kind)
+            if m is None:
+                log.warning("%s is named like a halfsafe leftover of %s but carries no mark of a halfsafe run of this "
+                            "user: halfsafe leaves it as it is", leftover, out.name)
+                continue
+            if owned.running(m):
+                continue  # another run is writing it now
+            kept = leftover / out.name
+            in_place = m["next"] is not None and owned.identity(out) == m["next"]  # the new folder made it in
+            if kind == owned.OLD and os.path.lexists(kept) and not in_place:
+                try:  # killed between renaming the old folder aside and the new one in: it goes back
+                    _rename_noreplace(kept, out)
+                except OSError:  # something else is at OUT now: the previous output stays where it is
+                    owned.unmark(leftover)
+                    log.warning("the previous %s is kept in %s (%s is another folder now): halfsafe leaves it as it is",
+                                out.name, leftover, out)
+                    continue
+            if owned.remove(leftover, m["folder"]):
+                removed.append(leftover)
+                log.warning("removed %s, left by a halfsafe run that did not finish", leftover)
     return removed
 
 
@@ -164,15 +179,20 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, input
     folder), must not exist unless overwrite (and then be a folder halfsafe wrote, or an empty one), its folder must
     be creatable and writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the
     new one is done)."""
+    from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths
+
     out = Path(out)
     refuse_overlap(out, inputs)
+    check_name_lengths(out, "output folder", DERIVED_EXTRA, INNER_EXTRA)  # .OUT.tmp-XXXXXXXX beside it, onnx/... inside
     if out.exists() and not overwrite:
         raise HalfsafeError(f"{out} already exists: choose another output folder or pass --overwrite")
     if out.exists() and not out.is_dir():
         raise HalfsafeError(f"{out} exists and is not a folder: choose another output path")
-    if out.exists() and not _replaceable(out):
-        raise HalfsafeError(f"{out} holds files halfsafe did not write (it has no {MARK}): --overwrite replaces only a "
-                            "folder halfsafe wrote, or an empty one; choose another output folder")
+    if out.is_symlink():
+        raise HalfsafeError(f"{out} is a symbolic link: halfsafe writes its output as a folder of its own there and "
+                            "replaces no link; choose another output folder")
+    if out.exists():
+        _check_replaceable(out)
     base = _existing_ancestor(out.parent)
     if not base.is_dir():
         raise HalfsafeError(f"cannot create {out}: {base} is not a folder; choose another output path")
@@ -211,9 +231,43 @@ def refuse_overlap(out: str | Path, inputs) -> None:
                                 "choose an output folder outside it")
 
 
-def _replaceable(out: Path) -> bool:
+def _check_replaceable(out: Path) -> None:
+    """--overwrite replaces an empty folder, or one halfsafe wrote: its halfsafe.json (a plain file) reads as a record,
+    and the folder holds no file that record does not list, each of the size it was written (a record from before
+    the list, none: the record alone)."""
+    entries = sorted(os.listdir(out))
+    if not entries:
+        return
+    def refuse(why: str) -> HalfsafeError:
+        return HalfsafeError(f"{out} holds files halfsafe did not write ({why}): --overwrite replaces only a folder "
+                             "halfsafe wrote, or an empty one; choose another output folder")
+
     mark = out / MARK
-    return (mark.is_file() and not mark.is_symlink()) or not any(out.iterdir())
+    if mark.is_symlink() or not mark.is_file():
+        raise refuse(f"it has no {MARK} of its own")
+    try:
+        record = report.read(mark)
+    except (HalfsafeError, ValueError, TypeError, KeyError, AttributeError):
+        raise refuse(f"its {MARK} is not a record halfsafe wrote") from None
+    if record.files is None:
+        return
+    dirs = {p for f in record.files for p in Path(f).parents if p != Path(".")}
+    for root, subdirs, names in os.walk(out):
+        for name in sorted(subdirs) + sorted(names):
+            path = Path(root) / name
+            rel = path.relative_to(out)
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and rel in dirs:
+                continue
+            if rel == Path(MARK) or (rel == Path(owned.MARK) and owned.owned(out, out, owned.TEMPORARY)):
+                continue  # the mark of the temporary folder this was, proven: a run killed just after its rename
+            if not stat.S_ISREG(st.st_mode) or rel.as_posix() not in record.files:
+                raise HalfsafeError(f"{out} holds {rel.as_posix()}, which halfsafe did not write: move it out or choose "
+                                    "another output folder")
+            if st.st_size != record.files[rel.as_posix()]:
+                raise HalfsafeError(f"{out}'s {rel.as_posix()} changed since halfsafe wrote it: move it out or choose "
+                                    "another output folder")
+        subdirs[:] = [d for d in subdirs if (Path(root) / d).relative_to(out) in dirs]
 
 
 def shard_size(value: int | str) -> int:
@@ -239,19 +293,23 @@ def output_bytes(model: PreTrainedModel) -> int:
 def save_fp16_checkpoint(
     model: PreTrainedModel, tokenizer, out: str | Path, record: Record | Callable[[], Record] | None, source_folder: Path | None = None,
     overwrite: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, progress: bool = False, finish: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save `model` as float16 (the caller's model is left as it is) with its tokenizer, `record` as halfsafe.json and
     the model card made from it (io.report, io.card; None: halfsafe.json holds only the versions, and no card is
-    written). A streamed model is written tensor by tensor from its shards."""
+    written). A streamed model is written tensor by tensor from its shards. `finish(folder)`, when given, adds to
+    the complete checkpoint in its temporary folder before it becomes `out` (convert --to onnx exports there), so
+    `out` appears once, with all of it, or not at all."""
     out = check_out_dir(out, overwrite, output_bytes(model), inputs=[source_folder])
     try:
         with atomic_folder(out, replace=overwrite) as tmp:
             save_fp16(model, tmp, max_shard_size, progress)
             _write_extras(tokenizer, tmp, record() if callable(record) else record, source_folder)  # a callable: made now, after the weights
+            if finish is not None:
+                finish(tmp)
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise HalfsafeError(f"could not write {out}: {reason}; nothing was left behind. Free some space or choose "
+        raise HalfsafeError(f"could not write {out} ({reason}): nothing was left behind. Free some space or choose "
                             "another output folder") from None
     return out
 
@@ -267,3 +325,4 @@ def _write_extras(tokenizer, tmp: Path, record: Record | None, source_folder: Pa
     report.write(tmp, record)
     if record is not None:
         card.write(tmp, record)
+    report.seal(tmp)

@@ -38,7 +38,6 @@ import copy
 import hashlib
 import math
 import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -387,6 +386,41 @@ def partial_dir(out: str | Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def _check_partial(out: str | Path) -> None:
+    """OUT's partial folder is absent, or one halfsafe made for OUT (io.owned): halfsafe writes, resumes from and
+    deletes no folder of that name it cannot prove it made."""
+    from ..io import owned
+
+    folder = partial_dir(out)
+    if os.path.lexists(folder) and owned.owned(folder, Path(out), owned.PARTIAL) is None:
+        raise HalfsafeError(f"{folder} is where halfsafe keeps an unfinished fine-tune of {Path(out).name}, but halfsafe "
+                            f"did not make it: move it aside (or pass --resume-from with a {STATE_NAME} in it), or choose "
+                            "another output folder")
+
+
+def _make_partial(out: str | Path) -> None:
+    """OUT's partial folder, made and marked as halfsafe's (io.owned) unless it is already there (`_check_partial`)."""
+    from ..io import owned
+
+    folder = partial_dir(out)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        _check_partial(out)
+        return
+    owned.release(owned.mark(folder, Path(out), owned.PARTIAL))
+
+
+def _remove_partial(out: str | Path) -> None:
+    from ..io import owned
+
+    folder = partial_dir(out)
+    m = owned.owned(folder, Path(out), owned.PARTIAL)
+    if m is not None:
+        owned.remove(folder, m["folder"])
+
+
 def finetune_checkpoint(
     source: str,
     out: str,
@@ -418,8 +452,12 @@ def finetune_checkpoint(
         config.check()
         if restart and resume_from:
             raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
-        if resume_from and not state_file.is_file():
-            raise HalfsafeError(f"--resume-from {resume_from}: no such file (the state is {STATE_NAME} in the partial folder)")
+        if resume_from:  # a regular file (a FIFO would hang the read)
+            from ..io.paths import input_file
+
+            input_file(resume_from, "--resume-from", f"give the state file ({STATE_NAME} in the partial folder)")
+        else:
+            _check_partial(out)
         if restart and state_file.exists():
             state_file.unlink()
 
@@ -429,6 +467,8 @@ def finetune_checkpoint(
             require_logits(model, samples[0])  # before the slow part, as for an unsupported architecture
         teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
         conversion = make_fp16_safe(model, samples, headroom_bits=config.headroom_bits, allow_unfixable=True, progress=progress)
+        if not resume_from:
+            _make_partial(out)
         report = finetune_below_threshold(model, samples, config, teacher, progress, state_file)
         del teacher
         if not report.converged and not save_unconverged:
@@ -446,7 +486,7 @@ def finetune_checkpoint(
     # training holds every weight: never streamed
     done = run(source, out, Options(overwrite, False, device, progress, texts, seq_len, max_samples, tokenizer=tokenizer), work, check)
     if not resume_from:
-        shutil.rmtree(partial_dir(out), ignore_errors=True)
+        _remove_partial(out)
     return done
 
 

@@ -12,13 +12,21 @@ from .report import VerifyReport
 from .variants import FP16, HALFSAFE, REFERENCE
 
 
+def plot_files(path: str | Path) -> list[Path]:
+    """The two files `write_plots` writes for PATH (halfsafe.plots.plot_file: a name without a suffix is a PNG)."""
+    from ..plots import plot_file
+
+    path = plot_file(path)[0]
+    return [path, path.with_name(f"{path.stem}-layers{path.suffix}")]
+
+
 def write_plots(report: VerifyReport, path: str | Path) -> list[Path]:
     """PATH: KL(fp32 || variant) per token as bars on a log axis (a non-finite variant gets a label, no bar).
     PATH with `-layers` before the suffix: residual peak per block, original (fp32 run) and converted (fp16
     run), against the fp16 limit."""
     from ..plots import plot_bars, plot_layer_peaks
 
-    path = Path(path)
+    path, layers = plot_files(path)
     bars = {}
     for r in report.results:
         if r.name == REFERENCE:
@@ -35,6 +43,5 @@ def write_plots(report: VerifyReport, path: str | Path) -> list[Path]:
         if all(math.isfinite(p) for p in peaks):
             series[f"{name} (measured)"] = peaks
             break
-    layers = path.with_name(f"{path.stem}-layers{path.suffix or '.png'}")
     written.append(plot_layer_peaks(series, layers, f"{report.model}: residual peak per layer, before and after"))
     return written
