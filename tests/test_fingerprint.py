@@ -43,10 +43,10 @@ def _sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_the_record_fingerprints_what_was_written_last_in_the_file(converted):
+def test_the_record_fingerprints_what_was_written_before_the_file_list(converted):
     folder = converted / "converted"
     d = json.loads((folder / report.FILE).read_text())
-    assert list(d)[-1] == "fingerprint"
+    assert list(d)[-2:] == ["fingerprint", "files"]
     assert d["fingerprint"] == {"sha256": {n: _sha(folder / n) for n in ("config.json", "model.safetensors")}}
     assert verified_record(folder)["fingerprint"] == d["fingerprint"]
     assert report.read(folder).fingerprint == d["fingerprint"]
