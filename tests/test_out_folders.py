@@ -34,6 +34,7 @@ from halfsafe.errors import HalfsafeError
 from halfsafe.io import owned, report
 from halfsafe.io.checkpoint import atomic_folder, check_out_dir, clean_stale
 from halfsafe.io.report import Record
+from halfsafe_serve.fingerprint import verified_record
 
 PROPERTY = settings(max_examples=15, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -428,6 +429,7 @@ def test_overwrite_replaces_an_onnx_export_halfsafe_wrote(converted, tmp_path, c
     record = report.read(out)
     assert "onnx/model_fp16.onnx" in record.files and "model.safetensors" not in record.files
     assert record.files["config.json"] == (out / "config.json").stat().st_size  # after the exporter's edit
+    assert record.fingerprint is None  # no weights here: the source's fingerprint is not carried over
     assert main(["export", "onnx", str(converted), str(out), "--overwrite"]) == 0
     (out / "onnx" / "notes.txt").write_text("mine")
     refused(capsys, ["export", "onnx", str(converted), str(out), "--overwrite"], "holds onnx/notes.txt")
@@ -439,6 +441,7 @@ def test_overwrite_replaces_a_convert_to_onnx_output(tiny, tmp_path, fake_onnx):
     record = report.read(out)
     assert "onnx/model_fp16.onnx" in record.files and "model.safetensors" in record.files
     assert record.files["config.json"] == (out / "config.json").stat().st_size
+    assert verified_record(out)["fingerprint"] == record.fingerprint  # config.json fingerprinted after the exporter's edit
     assert main(["convert", str(tiny), str(out), "--to", "onnx", "--overwrite", *SHORT]) == 0
 
 

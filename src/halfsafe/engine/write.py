@@ -8,6 +8,7 @@ shards (`huggingface_hub.split_torch_state_dict_into_shards`, with an index), wi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from transformers.core_model_loading import dot_natural_key
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+from halfsafe_serve.fingerprint import remember
 
 from ..errors import HalfsafeError
 from ..progress import phase
@@ -148,9 +151,11 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()  # of the bytes as they go out, for halfsafe.json's fingerprint (not read back again)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
+        for b in (struct.pack("<Q", len(text)), text):
+            f.write(b)
+            digest.update(b)
         for n in order:
             rows, shape = 0, tuple(layout[n].shape)
             for t in value(n):  # whole rows, in order
@@ -158,7 +163,10 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
                     raise HalfsafeError(f"internal error: {n} is {tuple(t.shape)} {t.dtype}, expected {shape}")
                 rows += t.shape[0] if shape else 1
                 if t.numel():
-                    f.write(t.view(-1).view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
+                    data = t.view(-1).view(torch.uint8).numpy().data  # the tensor's own bytes, no copy
+                    f.write(data)
+                    digest.update(data)
             if rows != (shape[0] if shape else 1):
                 raise HalfsafeError(f"internal error: {rows} rows written for {n}, expected {shape}")
             advance()
+    remember(path, digest.hexdigest())

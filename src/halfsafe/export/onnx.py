@@ -534,7 +534,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder.
     `runtime`: a profile that computes norm statistics in float16 gets its norms prescaled (halfsafe.export.onnx_norms)."""
     from ..io.checkpoint import atomic_folder, check_out_dir
-    from ..io.report import list_files
+    from ..io.report import seal
     from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
@@ -552,7 +552,7 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     try:
         with atomic_folder(out, replace=overwrite) as tmp:
             path = out / write_onnx(model, tmp, source=folder, exporter=exporter, name=out.name).relative_to(tmp)
-            list_files(tmp)  # the source's halfsafe.json now lists this folder's files (--overwrite checks them)
+            seal(tmp)  # the source's halfsafe.json now lists this folder's files (--overwrite checks them)
     except OSError as e:
         raise HalfsafeError(f"could not write {out} ({e.strerror or e}): nothing was left behind; free some space or "
                             "choose another output folder") from None
@@ -582,7 +582,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None, final: str | Path |
     and transformers.js). `runtime`: as for export_onnx. `final`: where `folder` (the save's temporary folder) will
     be once complete: the report's path and the card name it."""
     from ..io.checkpoint import atomic_folder
-    from ..io.report import list_files
+    from ..io.report import seal
     from ..runtime.profiles import get_profile
 
     profile = get_profile(runtime)
@@ -599,7 +599,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None, final: str | Path |
             del program
     final = Path(final) if final is not None else folder
     exporter.finish(folder, final.name)
-    list_files(folder)  # the ONNX files too, and config, tokenizer and card as they are now
+    seal(folder)  # the ONNX files too, and config, tokenizer and card as they are now
     warning = not_converted_warning(folder)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
     report.path = str(final / path.relative_to(folder))

@@ -305,4 +305,4 @@ def _write_extras(tokenizer, tmp: Path, record: Record | None, source_folder: Pa
     report.write(tmp, record)
     if record is not None:
         card.write(tmp, record)
-    report.list_files(tmp)
+    report.seal(tmp)

@@ -7,7 +7,7 @@ and everything measured to choose and check it); `halfsafe finetune` the same an
 `halfsafe apply` an `Applied` (a saved plan re-applied, and the scan after it). The model card (`io.card`) is made
 from the same record, so the card and the file cannot say different things.
 
-Last comes `files`: every file halfsafe wrote in the folder, with its size (`list_files`, once everything is written;
+Last comes `files`: every file halfsafe wrote in the folder, with its size (`seal`, once everything is written;
 `export onnx` and `convert --to onnx` list theirs again). `--overwrite` replaces a folder only while it holds nothing
 else; a record without the list (written before it) is read as before.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -174,6 +174,7 @@ class Record:
     applied: Applied | None = None
     versions: Versions = field(default_factory=Versions.current)
     format: int = RECORD_FORMAT
+    fingerprint: dict | None = None  # what was written (halfsafe_serve.fingerprint), set by `write`; before `files`
     files: dict[str, int] | None = None  # every file halfsafe wrote in the folder but this one: path -> bytes (`listed`)
 
     def __post_init__(self) -> None:
@@ -187,7 +188,8 @@ class Record:
     def to_dict(self) -> dict:
         done = [s.to_dict() for s in (self.conversion, self.finetuned, self.applied) if s is not None]
         return {**({"format": self.format} if self.format != 1 else {}), **self.versions.to_dict(), "source": self.source,
-                **{k: v for d in done for k, v in d.items()}, **({"files": self.files} if self.files is not None else {})}
+                **{k: v for d in done for k, v in d.items()}, **({"fingerprint": self.fingerprint} if self.fingerprint else {}),
+                **({"files": self.files} if self.files is not None else {})}
 
     @classmethod
     def from_dict(cls, d: object) -> "Record":
@@ -200,21 +202,29 @@ class Record:
         if version > RECORD_FORMAT:
             raise HalfsafeError(f"this {FILE} is format {version}, written by halfsafe {d.get('halfsafe_version', '?')}; "
                                 f"this halfsafe reads formats up to {RECORD_FORMAT}: upgrade halfsafe")
+        fingerprint = d["fingerprint"] if isinstance(d.get("fingerprint"), dict) else None
         files = d.get("files")
         if files is not None and not _is_listing(files):
             _refuse("its files are not a list of file names and sizes")
         try:
             if "applied_plan_from" in d:
                 return cls(str(d.get("source")), applied=Applied.from_dict(d), versions=Versions.from_dict(d), format=version,
-                           files=files)
+                           fingerprint=fingerprint, files=files)
             return cls(str(d.get("source")), Conversion.from_dict(d), Finetuned.from_dict(d) if "finetune" in d else None,
-                       versions=Versions.from_dict(d), format=version, files=files)
+                       versions=Versions.from_dict(d), format=version, fingerprint=fingerprint, files=files)
         except (KeyError, TypeError) as e:
             _refuse(f"{type(e).__name__}: {e}")
 
 
 def write(folder: Path, record: Record | None) -> None:
-    """`folder`/halfsafe.json. None: only the versions (a folder halfsafe wrote without a plan: its engine's tests)."""
+    """`folder`/halfsafe.json, written after the weights and config. A record made by this run gets the fingerprint of
+    what is in `folder` now (what lets a serving engine trust it: halfsafe_serve); one read back keeps its own.
+    None: only the versions (a folder halfsafe wrote without a plan: its engine's tests)."""
+    from halfsafe_serve.fingerprint import WEIGHTLESS, fingerprint
+
+    if record is not None and record.fingerprint is None:
+        made = fingerprint(Path(folder))
+        record = replace(record, fingerprint=made if set(made["sha256"]) - WEIGHTLESS else None)
     d = record.to_dict() if record is not None else Versions.current().to_dict()
     (Path(folder) / FILE).write_text(json.dumps(d, indent=2, allow_nan=True) + "\n")
 
@@ -253,10 +263,14 @@ def files_in(folder: Path) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
-def list_files(folder: Path) -> None:
-    """Write into `folder`/halfsafe.json the files halfsafe wrote there (`Record.files`: --overwrite replaces the folder
-    only while it holds no other file), once everything is written. Every other key keeps its place and its bytes;
-    a halfsafe.json that is not a record (or none) is left as it is."""
+def seal(folder: Path) -> None:
+    """Write into `folder`/halfsafe.json, once everything halfsafe writes there is written, what the folder now holds:
+    the files (`Record.files`: --overwrite replaces the folder only while it holds no other file) and, where the record
+    has one, the fingerprint of its weights and config (config.json is edited after the record for transformers.js by
+    `convert --to onnx`; an ONNX export holds no weights, so its copied record loses the fingerprint). Every other key
+    keeps its place and its bytes; a halfsafe.json that is not a record (or none) is left as it is."""
+    from halfsafe_serve.fingerprint import KEY, WEIGHTLESS, fingerprint
+
     path = Path(folder) / FILE
     if path.is_symlink() or not path.is_file():
         return
@@ -266,6 +280,12 @@ def list_files(folder: Path) -> None:
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError, HalfsafeError):
         return
     d.pop("files", None)
+    if KEY in d:
+        made = fingerprint(Path(folder))
+        if set(made["sha256"]) - WEIGHTLESS:
+            d[KEY] = made
+        else:
+            del d[KEY]
     d["files"] = files_in(folder)
     tmp = path.with_name(f".{FILE}.tmp")
     tmp.write_text(json.dumps(d, indent=2, allow_nan=True) + "\n")
