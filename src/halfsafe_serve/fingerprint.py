@@ -49,9 +49,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def fingerprint(folder: Path) -> dict:
-    """The fingerprint of `folder` as written now: the value of halfsafe.json's `fingerprint` field."""
-    return {"sha256": {name: sha256_file(Path(folder) / name) for name in covered(folder)}}
+def fingerprint(folder: Path, keep: bool = False) -> dict:
+    """The fingerprint of `folder` as written now: the value of halfsafe.json's `fingerprint` field. `keep`: remember
+    each digest (halfsafe, in the folder it is writing: the seal after the last file reads none of them again)."""
+    digests = {name: sha256_file(Path(folder) / name) for name in covered(folder)}
+    if keep:
+        for name, digest in digests.items():
+            remember(Path(folder) / name, digest)
+    return {"sha256": digests}
 
 
 class NotVerified(Exception):

@@ -223,7 +223,7 @@ def write(folder: Path, record: Record | None) -> None:
     from halfsafe_serve.fingerprint import WEIGHTLESS, fingerprint
 
     if record is not None and record.fingerprint is None:
-        made = fingerprint(Path(folder))
+        made = fingerprint(Path(folder), keep=True)
         record = replace(record, fingerprint=made if set(made["sha256"]) - WEIGHTLESS else None)
     d = record.to_dict() if record is not None else Versions.current().to_dict()
     (Path(folder) / FILE).write_text(json.dumps(d, indent=2, allow_nan=True) + "\n")
@@ -281,7 +281,7 @@ def seal(folder: Path) -> None:
         return
     d.pop("files", None)
     if KEY in d:
-        made = fingerprint(Path(folder))
+        made = fingerprint(Path(folder), keep=True)
         if set(made["sha256"]) - WEIGHTLESS:
             d[KEY] = made
         else:
