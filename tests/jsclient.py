@@ -55,7 +55,8 @@ def install() -> Path:
 
 
 def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = None, new_tokens: int = 16,
-        task: str = "text-generation", logits_out=None, pipeline_out=None, timeout: float = 600) -> dict:
+        task: str = "text-generation", logits_out=None, pipeline_out=None, timeout: float = 600,
+        device: str | None = None, env: dict | None = None) -> dict:
     """clients/js/run.mjs on an exported folder: the pipeline's text, generate()'s greedy tokens, one forward's logits."""
     install()
     args = {"folder": str(folder), "lib": lib, "new_tokens": new_tokens, "task": task}
@@ -67,8 +68,10 @@ def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = 
         args["logits_out"] = str(logits_out)
     if pipeline_out is not None:
         args["pipeline_out"] = str(pipeline_out)
+    if device is not None:
+        args["device"] = device
     done = subprocess.run(["node", str(CLIENTS / "run.mjs"), json.dumps(args)], cwd=CLIENTS, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"transformers.js ({lib}) failed on {folder}:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -28,9 +28,12 @@ def _build(key: str, cls=None):
 
 
 def _eps(model) -> dict[str, float]:
-    """'<module>.<attr>' -> value, for every float eps a module holds."""
-    return {f"{n}.{a}": getattr(m, a) for n, m in model.named_modules() for a in NORM_EPS_ATTRS
-            if isinstance(getattr(m, a, None), float)}
+    """'<module>' -> value, for every module holding a float eps (under whichever name its transformers release
+    gives it: Gemma 4's norms hold `eps` before 5.25, `variance_epsilon` from it)."""
+    found = {(n, a): getattr(m, a) for n, m in model.named_modules() for a in NORM_EPS_ATTRS
+             if isinstance(getattr(m, a, None), float)}
+    assert len({n for n, _ in found}) == len(found), "a module holds two eps"
+    return {n: v for (n, _), v in found.items()}
 
 
 def _scale_family_eps(model, family, exponent: int) -> None:
@@ -48,11 +51,11 @@ def _moved(model, act) -> dict[str, float]:
 
 # --- a group's own eps (GroupSpec.eps): Gemma 3's SigLIP tower and its language model ---
 
-GEMMA3_TOWER = {f"model.vision_tower.encoder.layers.{i}.layer_norm{j}.eps" for i in (0, 1) for j in (1, 2)} | {
-    "model.vision_tower.post_layernorm.eps", "model.multi_modal_projector.mm_soft_emb_norm.eps"}
-GEMMA3_TEXT = {f"model.language_model.layers.{i}.{n}.eps" for i in (0, 1) for n in (
+GEMMA3_TOWER = {f"model.vision_tower.encoder.layers.{i}.layer_norm{j}" for i in (0, 1) for j in (1, 2)} | {
+    "model.vision_tower.post_layernorm", "model.multi_modal_projector.mm_soft_emb_norm"}
+GEMMA3_TEXT = {f"model.language_model.layers.{i}.{n}" for i in (0, 1) for n in (
     "self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-    "post_feedforward_layernorm")} | {"model.language_model.norm.eps"}
+    "post_feedforward_layernorm")} | {"model.language_model.norm"}
 
 
 def test_gemma3_vision_group_moves_the_towers_eps_and_the_projector_norm_only():
@@ -95,14 +98,14 @@ def test_a_group_eps_moves_the_copies_of_its_config_that_hold_the_same_value():
 
 # --- a family's eps in the sub-configs it names (EpsScope.configs, with `when` for the tower): Gemma 4 ---
 
-GEMMA4_TEXT = {f"model.language_model.layers.{i}.{n}.eps" for i in (0, 1) for n in (
+GEMMA4_TEXT = {f"model.language_model.layers.{i}.{n}" for i in (0, 1) for n in (
     "self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm", "input_layernorm", "post_attention_layernorm",
     "pre_feedforward_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")} | {
-    "model.language_model.norm.eps", "model.language_model.per_layer_projection_norm.eps"}
-GEMMA4_VISION = {f"model.vision_tower.encoder.layers.{i}.{n}.eps" for i in (0, 1) for n in (
+    "model.language_model.norm", "model.language_model.per_layer_projection_norm"}
+GEMMA4_VISION = {f"model.vision_tower.encoder.layers.{i}.{n}" for i in (0, 1) for n in (
     "self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm", "input_layernorm", "post_attention_layernorm",
     "pre_feedforward_layernorm", "post_feedforward_layernorm")} | {
-    "model.embed_vision.eps", "model.embed_vision.embedding_pre_projection_norm.eps"}
+    "model.embed_vision", "model.embed_vision.embedding_pre_projection_norm"}
 
 
 def test_gemma4_moves_the_text_and_vision_eps_and_leaves_the_audio_towers():
@@ -115,7 +118,7 @@ def test_gemma4_moves_the_text_and_vision_eps_and_leaves_the_audio_towers():
     assert model.config.text_config.rms_norm_eps == EPS / 4
     assert model.config.vision_config.rms_norm_eps == EPS / 4
     assert model.config.audio_config.rms_norm_eps == EPS
-    assert sum(k.startswith(("model.audio_tower.", "model.embed_audio.")) for k in _eps(model)) == 22  # all 1e-6
+    assert sum(k.startswith(("model.audio_tower.", "model.embed_audio")) for k in _eps(model)) == 22  # all 1e-6
 
 
 def test_gemma4_bare_model_names_its_modules_without_the_prefix():
@@ -133,14 +136,14 @@ def test_a_scope_on_the_top_config_moves_its_field_and_the_named_modules_norms()
     _scale_family_eps(model, family, 1)
     after = _eps(model)
     assert {k: v for k, v in after.items() if v != before[k]} == {
-        "model.layers.0.input_layernorm.variance_epsilon": old * 2, "model.layers.0.post_attention_layernorm.variance_epsilon": old * 2}
+        "model.layers.0.input_layernorm": old * 2, "model.layers.0.post_attention_layernorm": old * 2}
     assert model.config.rms_norm_eps == old * 2
 
 
 # --- a family's eps everywhere but a tower (EpsScope.keep): Qwen2-VL, T5Gemma 2 ---
 
-QWEN2_VL_TEXT = {f"model.language_model.layers.{i}.{n}.variance_epsilon" for i in (0, 1)
-                 for n in ("input_layernorm", "post_attention_layernorm")} | {"model.language_model.norm.variance_epsilon"}
+QWEN2_VL_TEXT = {f"model.language_model.layers.{i}.{n}" for i in (0, 1)
+                 for n in ("input_layernorm", "post_attention_layernorm")} | {"model.language_model.norm"}
 
 
 def test_qwen2_vl_moves_the_language_models_eps_and_not_the_towers_equal_one():
@@ -165,19 +168,19 @@ T5GEMMA2_LAYER = ("self_attn.q_norm", "self_attn.k_norm", "pre_self_attn_layerno
 def test_t5gemma2_moves_encoder_text_and_decoder_eps_and_neither_the_tower_nor_the_projector():
     model = _build("t5gemma2")
     moved = _moved(model, lambda: _scale_family_eps(model, family_for("t5gemma2"), 2))
-    expected = {f"model.{stack}.layers.{i}.{n}.eps" for stack in ("encoder.text_model", "decoder") for i in (0, 1)
-                for n in T5GEMMA2_LAYER} | {"model.encoder.text_model.norm.eps", "model.decoder.norm.eps"}
+    expected = {f"model.{stack}.layers.{i}.{n}" for stack in ("encoder.text_model", "decoder") for i in (0, 1)
+                for n in T5GEMMA2_LAYER} | {"model.encoder.text_model.norm", "model.decoder.norm"}
     assert moved == {k: EPS * 4 for k in expected}
     assert model.config.encoder.text_config.rms_norm_eps == EPS * 4 and model.config.decoder.rms_norm_eps == EPS * 4
     assert model.config.encoder.vision_config.layer_norm_eps == EPS
-    assert _eps(model)["model.encoder.multi_modal_projector.mm_soft_emb_norm.eps"] == EPS
+    assert _eps(model)["model.encoder.multi_modal_projector.mm_soft_emb_norm"] == EPS
 
 
 def test_deepseek_moves_every_norms_eps_but_the_mla_norms_it_hard_codes():
     model = _build("deepseek_v3")
     moved = _moved(model, lambda: _scale_family_eps(model, family_for("deepseek_v3"), 1))
-    assert moved == {f"model.layers.{i}.{n}.variance_epsilon": EPS * 2 for i in (0, 1)
-                     for n in ("input_layernorm", "post_attention_layernorm")} | {"model.norm.variance_epsilon": EPS * 2}
+    assert moved == {f"model.layers.{i}.{n}": EPS * 2 for i in (0, 1)
+                     for n in ("input_layernorm", "post_attention_layernorm")} | {"model.norm": EPS * 2}
     assert model.config.rms_norm_eps == EPS * 2
 
 

@@ -3,7 +3,8 @@
 //
 // Usage: node run.mjs '<json>'   with   {"folder": DIR, "lib": "tjs3" | "tjs4", "prompt": TEXT, "ids": [..],
 //        "new_tokens": N, "task": "text-generation" | "text2text-generation" | "feature-extraction" | "fill-mask",
-//        "logits_out": FILE, "pipeline_out": FILE (optional)}
+//        "logits_out": FILE, "pipeline_out": FILE (optional), "device": "webgpu" (optional: ONNX Runtime's WebGPU
+//        provider, onnxruntime-node's in Node; the caller sets up the Vulkan driver it runs on, scripts/install-webgpu)}
 // Prints one JSON line: the library version, the prompt's tokens as the pipeline encodes them, the pipeline's
 // generated text, the greedy tokens of generate() after `ids`, and the logits of one forward pass over `ids`
 // (dtype, dims, finite; all of them written to `logits_out` as little-endian float32 when given). For
@@ -24,11 +25,11 @@ const id = path.basename(path.resolve(args.folder));
 const task = args.task ?? 'text-generation';
 const seq2seq = task === 'text2text-generation';
 const encoderOnly = task === 'feature-extraction' || task === 'fill-mask';
-const out = { lib: args.lib, version: env.version };
+const out = { lib: args.lib, version: env.version, device: args.device ?? 'default' };
 const t0 = performance.now();
 
 const greedy = { max_new_tokens: args.new_tokens, min_new_tokens: args.new_tokens, do_sample: false };
-const pipe = await pipeline(task, id);
+const pipe = await pipeline(task, id, args.device ? { device: args.device } : {});
 out.load_s = (performance.now() - t0) / 1000;
 if (args.prompt !== undefined) {
     const tokenizer = pipe.tokenizer;
