@@ -18,6 +18,13 @@ result says so). Records wall and CPU seconds per command, the reports' "phases"
 present, and verify's KL per variant; writes RESULTS/gpu_scale_SIZE.json (after every step, so a killed run keeps
 what it measured). Disk: 2 bytes a parameter for the synthetic and as much for the output (~31 GB at 7B). With
 `--device cpu` and a tiny size (`--scale qwen7b-tiny --samples 1 --calib-seq-len 32 --seq-len 32 --greedy-tokens 2`) it is a dry run of the same steps on a CPU-only machine.
+
+    python bench/gpu.py --vllm PY [--out bench/results/gpu_vllm.md]
+
+`--vllm PY`: the real Gemma 3 270M served by vLLM on the GPU (PY: a Python with a CUDA build of vLLM and halfsafe
+installed, e.g. a venv made with `pip install vllm` then `pip install -e .`): bench/vllm_cpu.py's rows, the converted
+folder in float16 (halfsafe's plugin), the original in bfloat16 (refused on GPUs without it: the row says so) and
+float32; top-1, logprob and KL against transformers fp32, tokens per second.
 """
 
 from __future__ import annotations
@@ -153,7 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--verify-samples", type=int, default=1)
     scale.add_argument("--greedy-tokens", type=int, help="verify --greedy-tokens (default: the CLI's)")
     scale.add_argument("--keep-output", action="store_true")
+    ap.add_argument("--vllm", metavar="PY", help="serve the Gemma 3 270M with the vLLM in this Python (bench/vllm_cpu.py)")
     args = ap.parse_args(argv)
+    if args.vllm:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import vllm_cpu
+
+        out = args.out if args.out != "bench/results/gpu.md" else "bench/results/gpu_vllm.md"
+        vllm_cpu.main(["--vllm-python", args.vllm, "--out", out])
+        return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA GPU visible to torch: bench/gpu.py has nothing to measure here", file=sys.stderr)
         return 1
