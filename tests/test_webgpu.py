@@ -25,6 +25,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 import jsclient  # noqa: E402
+import onnx  # noqa: E402
 import webgpu  # noqa: E402
 from jsclient import save_char_tokenizer  # noqa: E402
 from stress import make_stress  # noqa: E402
@@ -35,7 +36,7 @@ from halfsafe.calibration import default_text, make_samples  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.core.metrics import mean_kl  # noqa: E402
-from halfsafe.export.onnx import export_onnx  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,6 +105,22 @@ def test_adapter_computes_in_float16(webgpu_runtime):
     cpu = webgpu.f16_proof(webgpu_runtime.env, device="cpu")
     assert webgpu.not_f16(cpu) == {"sum_of_ones": (4096.0, 2048.0), "product_over_300": (300.0, float("inf")),
                                    "one_plus_small_minus_one": (pytest.approx(webgpu.SMALL, rel=1e-3), 0.0)}
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_every_float16_node_runs_on_webgpu(key, stressed, webgpu_runtime):
+    """ONNX Runtime leaves shape arithmetic on its CPU provider even with WebGPU (measured on Gemma 3: 45 of 304 nodes,
+    int64 and bool, and the Cast of the int64 positions to float32); no node that outputs float16 may be there, as the
+    CPU provider would compute it in float32."""
+    path = stressed(key).export("converted") / ONNX_FILE
+    placed = webgpu.placements(path, webgpu_runtime.env)
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    dtypes = {v.name: v.type.tensor_type.elem_type for v in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]}
+    nodes = {n.name: n for n in proto.graph.node}
+    on_cpu = [name for name, provider in placed.items() if provider == "CPUExecutionProvider"]
+    assert all(name in nodes and all(o in dtypes for o in nodes[name].output) for name in on_cpu), on_cpu
+    assert not [n for n in on_cpu if any(dtypes[o] == onnx.TensorProto.FLOAT16 for o in nodes[n].output)]
+    assert all(placed[n.name] == "WebGpuExecutionProvider" for n in proto.graph.node if n.op_type == "MatMul")
 
 
 @pytest.mark.parametrize("key", FAMILIES)

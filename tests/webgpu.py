@@ -4,7 +4,8 @@ unpacks into halfsafe's cache with an env file to source. ONNX Runtime's CPU pro
 float32, so only this runtime shows what float16 arithmetic does to an export.
 
 Before any test trusts the adapter, `f16_proof` measures that it computes in float16 (tiny graphs whose answers in
-float16 and in float32 differ; inputs are graph inputs, so nothing is folded at load time).
+float16 and in float32 differ; inputs are graph inputs, so nothing is folded at load time). `placements` tells which
+nodes of a model ONNX Runtime leaves on its CPU provider beside WebGPU (those compute in float32).
 """
 
 from __future__ import annotations
@@ -143,3 +144,32 @@ def f16_proof(env: dict, device: str = "webgpu", timeout: float = 300) -> dict[s
 def not_f16(measured: dict[str, float]) -> dict[str, tuple[float, float]]:
     """The proof's outputs that differ from float16's answers: name -> (measured, float16's)."""
     return {n: (measured.get(n), want) for n, want in F16_ANSWERS.items() if measured.get(n) != want}
+
+
+_ALL_PLACED_ON = re.compile(r"All nodes placed on \[(\w+)\]")  # one provider for the whole graph: no node listed
+_PLACED_ON = re.compile(r"Node\(s\) placed on \[(\w+)\]")
+_PLACED_NODE = re.compile(r"VerifyEachNodeIsAssignedToAnEp\]\s+(\w+) \((.*)\)$")
+
+
+def placements(model: str | Path, env: dict, device: str = "webgpu", timeout: float = 300) -> dict[str, str]:
+    """node name -> the execution provider ONNX Runtime placed it on, when `model` is opened on `device` (read from
+    its verbose log: clients/js/placements.mjs)."""
+    jsclient.install()
+    args = {"model": str(model), "device": device}
+    done = subprocess.run(["node", str(jsclient.CLIENTS / "placements.mjs"), json.dumps(args)], cwd=jsclient.CLIENTS,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"onnxruntime-node ({device}) could not open {model}:\n{done.stderr[-4000:]}")
+    if m := _ALL_PLACED_ON.search(done.stderr):
+        import onnx
+
+        return {n.name: m.group(1) for n in onnx.load(str(model), load_external_data=False).graph.node}
+    placed, provider = {}, None
+    for line in done.stderr.splitlines():
+        if m := _PLACED_ON.search(line):
+            provider = m.group(1)
+        elif provider and (m := _PLACED_NODE.search(line)):
+            placed[m.group(2)] = provider
+    if not placed:
+        raise RuntimeError(f"no node placements in onnxruntime-node's verbose log:\n{done.stderr[-2000:]}")
+    return placed
