@@ -47,3 +47,21 @@ def gemma3_converted(gemma3_folder, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("converted") / "gemma3-270m-fp16"
     convert_checkpoint(str(gemma3_folder), str(out), seq_len=512, max_samples=2, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def webgpu_runtime():
+    """ONNX Runtime's WebGPU provider on a real float16 adapter (tests/webgpu.py), proven to compute in float16: skips
+    where there is no adapter (the reason scripts/install-webgpu wrote); fails where there is one that computes in
+    anything else, as every result on it would then prove nothing."""
+    import webgpu
+
+    reason = webgpu.adapter_missing()
+    if reason is not None:
+        pytest.skip(reason)
+    env = webgpu.runtime_env()
+    proof = webgpu.f16_proof(env)
+    wrong = webgpu.not_f16(proof)
+    if wrong:
+        pytest.fail(f"the WebGPU adapter does not compute in float16 (output: (measured, float16's answer)): {wrong}")
+    return webgpu.Runtime(env, proof)
