@@ -108,18 +108,21 @@ def run_client(folder: Path, ids: torch.Tensor, greedy: int, forwards: int, devi
 def row_for(ref: torch.Tensor, want: list[int], got: dict, logits: torch.Tensor) -> dict:
     row = measure(ref, logits)
     row["nonfinite"] = int((~torch.isfinite(logits)).sum())
-    row["greedy"] = _agreement(got["generate_ids"], want)
+    row["greedy"] = _agreement(got["generate_ids"], want) if "generate_ids" in got else None
     row["forward_s"] = float(np.median(got["forward_s"]))
     row["forward_all_s"] = got["forward_s"]
-    row["generate_s"], row["load_s"] = got["generate_s"], got["load_s"]
+    row["generate_s"], row["load_s"] = got.get("generate_s"), got["load_s"]
     return row
 
 
 def fmt(name: str, r: dict, greedy: int) -> str:
+    if "error" in r:
+        return f"| {name} | {r.get('device', '')} | failed: {r['error'][-160:]} | | | | |"
     kl = f"{r['kl']:.2e}" if r.get("finite") else "—"
     top1 = f"{100 * r['top1']:.1f}%" if r.get("finite") else "—"
     t = f"{r['forward_s']:.2f}" if r.get("forward_s") is not None else "—"
-    return f"| {name} | {r.get('device', '')} | {r['nonfinite']} | {kl} | {top1} | {r['greedy']}/{greedy} | {t} |"
+    agree = f"{r['greedy']}/{greedy}" if r.get("greedy") is not None else "—"
+    return f"| {name} | {r.get('device', '')} | {r['nonfinite']} | {kl} | {top1} | {agree} | {t} |"
 
 
 def main() -> int:
@@ -148,13 +151,13 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(str(source))
     ids = make_samples([heldout_text()], tok, tok.vocab_size, args.tokens, 1)[0]
-    stored = work / f"rows-{args.tokens}-{args.greedy}.json"
+    stored = work / f"rows-{args.tokens}.json"  # a row measured with --greedy 0 keeps its greedy column empty
     rows = json.loads(stored.read_text()) if stored.is_file() else {}
     model = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         ref = model(ids).logits.double()
-        want = model.generate(ids, max_new_tokens=args.greedy, min_new_tokens=args.greedy, do_sample=False)[0, ids.shape[1]:].tolist()
-        if "bf16 (PyTorch)" not in rows or args.redo:
+        want = model.generate(ids, max_new_tokens=args.greedy, min_new_tokens=args.greedy, do_sample=False)[0, ids.shape[1]:].tolist() if args.greedy else []
+        if args.greedy and ("bf16 (PyTorch)" not in rows or args.redo):
             m16 = model.to(torch.bfloat16)
             t = time.perf_counter()
             bf16 = m16(ids).logits.double()
@@ -167,11 +170,15 @@ def main() -> int:
     runs = [(n, "webgpu") for n in names] + ([("default", None)] if "default" in names else [])
     for name, device in runs:
         key = f"{name} @ {device or 'cpu'}"
-        if key in rows and not args.redo:
+        if key in rows and not args.redo and (rows[key].get("greedy") is not None or not args.greedy):
             continue
         log(f"{key}: transformers.js, {ids.shape[1]} tokens, {args.greedy} greedy")
-        got, logits = run_client(folders[name], ids, args.greedy, args.forwards, device)
-        rows[key] = row_for(ref, want, got, logits)
+        try:
+            got, logits = run_client(folders[name], ids, args.greedy, args.forwards, device)
+            rows[key] = row_for(ref, want, got, logits)
+        except RuntimeError as e:  # the runtime refused the graph: its reason is the row
+            reason = next((ln.strip() for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[-1])
+            rows[key] = {"error": reason[:300], "nonfinite": None, "greedy": None}
         rows[key]["device"] = "WebGPU (lavapipe)" if device else "ORT CPU"
         exported = work / f"{name}.export.json"
         rows[key]["export"] = json.loads(exported.read_text()) if exported.is_file() else {}

@@ -58,7 +58,7 @@ if (args.ids) {
     const ids = new Tensor('int64', BigInt64Array.from(args.ids.map(BigInt)), [1, args.ids.length]);
     const mask = new Tensor('int64', new BigInt64Array(args.ids.length).fill(1n), [1, args.ids.length]);
     let generated;
-    if (!encoderOnly) {
+    if (!encoderOnly && (args.new_tokens > 0 || seq2seq)) {  // new_tokens 0: the forward pass only
         const t = performance.now();
         generated = await model.generate({ input_ids: ids, attention_mask: mask, ...greedy });
         out.generate_s = (performance.now() - t) / 1000;

@@ -10,9 +10,10 @@ is made on the exported ONNX graph (an onnx_ir model, before it is saved):
                                                                      MatMul [G, .., N] -> Split/Add (pairwise) -> [.., N]
     W [K, N]  -> Reshape [G, 1.., K/G, N]                          /
 
-W's Reshape is of a constant (a weight, or the tied head's Transpose of the embedding): the stored weights are the
-same float16 bytes, and ONNX Runtime folds the Reshape once at load. One MatMul per product keeps the node count small
-(4 + 2 log2 G nodes per product) and lets the runtime run the groups as one batched dispatch.
+W's Reshape is of a constant (a weight): the stored weights are the same float16 bytes, and ONNX Runtime folds the
+Reshape once at load. One MatMul per product keeps the node count small (4 + 2 log2 G nodes per product) and lets the
+runtime run the groups as one batched dispatch. The head is split into G MatMuls of slices instead (its output is
+the vocabulary wide: G batched partials would cost G times the logits' memory), of the tied embedding's Transpose.
 
 Kinds of product, each with its own G: `linear` (a weight as B), `head` (the product that makes the logits) and
 `attention` (both inputs computed, K static: QK^T over the head dimension). G is a power of two that divides K;
@@ -122,6 +123,23 @@ class _Builder:
         return outs if outputs > 1 else outs[0]
 
 
+def _sliced_head(bld, a, b, k: int, g: int):
+    """The head: G MatMuls of slices, each [.., M, vocab]; a batched one would hold G times the logits at once (G x
+    48 tokens x 262144 x 2 bytes is 384 MiB for Gemma 3 at G = 16). Built so that a partial is added as soon as its
+    pair exists (a binary counter), which keeps at most log2(G) + 1 partials alive."""
+    stack = []  # (level, value)
+    for i in range(g):
+        lo, hi = bld.const([i * k // g]), bld.const([(i + 1) * k // g])
+        a_i = bld.op("Slice", [a, lo, hi, bld.const([-1])])
+        b_i = bld.op("Slice", [b, lo, hi, bld.const([0])])
+        part, level = bld.op("MatMul", [a_i, b_i]), 0
+        while stack and stack[-1][0] == level:
+            part, level = bld.op("Add", [stack.pop()[1], part]), level + 1
+        stack.append((level, part))
+    assert len(stack) == 1  # g is a power of two
+    return stack[0][1]
+
+
 def _split_one(graph, node, groups: int, kind: str) -> bool:
     import onnx_ir as ir
 
@@ -134,6 +152,13 @@ def _split_one(graph, node, groups: int, kind: str) -> bool:
     if g < 2:
         return False
     bld = _Builder(ir, node.name or "matmul")
+    out = node.outputs[0]
+    if kind == "head":
+        if _static_dim(b.shape, 0) != k:
+            return False
+        result = ir.Value(name=bld.name("sum"), shape=out.shape, type=out.type)
+        bld.op("Identity", [_sliced_head(bld, a, b, k, g)], out_values=[result])
+        return _replace(graph, node, bld, result)
     # A [.., M, K] -> [G, .., M, K/G]: K's consecutive runs become the leading batch axis
     a_g = bld.op("Reshape", [a, bld.const([0] * (rank - 1) + [g, k // g])])
     a_g = bld.op("Transpose", [a_g], {"perm": [rank - 1, *range(rank - 1), rank]})
@@ -150,9 +175,13 @@ def _split_one(graph, node, groups: int, kind: str) -> bool:
         g //= 2
         lo, hi = bld.op("Split", [parts, bld.const([g, g])], {"axis": 0}, outputs=2)
         parts = bld.op("Add", [lo, hi])
-    out = node.outputs[0]
     result = ir.Value(name=bld.name("sum"), shape=out.shape, type=out.type)
     bld.op("Squeeze", [parts, bld.const([0])], out_values=[result])
+    return _replace(graph, node, bld, result)
+
+
+def _replace(graph, node, bld, result) -> bool:
+    out = node.outputs[0]
     graph.insert_before(node, bld.nodes)
     out.replace_all_uses_with(result)
     if out.is_graph_output():
