@@ -109,6 +109,7 @@ def row_for(ref: torch.Tensor, want: list[int], got: dict, logits: torch.Tensor)
     row = measure(ref, logits)
     row["nonfinite"] = int((~torch.isfinite(logits)).sum())
     row["greedy"] = _agreement(got["generate_ids"], want) if "generate_ids" in got else None
+    row["greedy_of"] = len(want)
     row["forward_s"] = float(np.median(got["forward_s"]))
     row["forward_all_s"] = got["forward_s"]
     row["generate_s"], row["load_s"] = got.get("generate_s"), got["load_s"]
@@ -121,7 +122,7 @@ def fmt(name: str, r: dict, greedy: int) -> str:
     kl = f"{r['kl']:.2e}" if r.get("finite") else "—"
     top1 = f"{100 * r['top1']:.1f}%" if r.get("finite") else "—"
     t = f"{r['forward_s']:.2f}" if r.get("forward_s") is not None else "—"
-    agree = f"{r['greedy']}/{greedy}" if r.get("greedy") is not None else "—"
+    agree = f"{r['greedy']}/{r.get('greedy_of', greedy)}" if r.get("greedy") is not None else "—"
     return f"| {name} | {r.get('device', '')} | {r['nonfinite']} | {kl} | {top1} | {agree} | {t} |"
 
 
