@@ -2,7 +2,7 @@
 // options beyond the task (dtype and KV-cache dtype come from the folder's config.json).
 //
 // Usage: node run.mjs '<json>'   with   {"folder": DIR, "lib": "tjs3" | "tjs4", "prompt": TEXT, "ids": [..],
-//        "new_tokens": N, "task": "text-generation" | "text2text-generation" | "feature-extraction" | "fill-mask",
+//        "new_tokens": N, "forwards": N (optional), "task": "text-generation" | "text2text-generation" | "feature-extraction" | "fill-mask",
 //        "logits_out": FILE, "pipeline_out": FILE (optional), "device": "webgpu" (optional: ONNX Runtime's WebGPU
 //        provider, onnxruntime-node's in Node; the caller sets up the Vulkan driver it runs on, scripts/install-webgpu)}
 // Prints one JSON line: the library version, the prompt's tokens as the pipeline encodes them, the pipeline's
@@ -58,7 +58,7 @@ if (args.ids) {
     const ids = new Tensor('int64', BigInt64Array.from(args.ids.map(BigInt)), [1, args.ids.length]);
     const mask = new Tensor('int64', new BigInt64Array(args.ids.length).fill(1n), [1, args.ids.length]);
     let generated;
-    if (!encoderOnly) {
+    if (!encoderOnly && (args.new_tokens > 0 || seq2seq)) {  // new_tokens 0: the forward pass only
         const t = performance.now();
         generated = await model.generate({ input_ids: ids, attention_mask: mask, ...greedy });
         out.generate_s = (performance.now() - t) / 1000;
@@ -66,8 +66,16 @@ if (args.ids) {
         out.generate_ids = seq2seq ? all : all.slice(args.ids.length);
     }
     // one forward pass over `ids` (an encoder-decoder's: `ids` encoded, the generated tokens as decoder input)
-    const outputs = await model(seq2seq ? { input_ids: ids, attention_mask: mask, decoder_input_ids: generated }
-        : { input_ids: ids, attention_mask: mask });
+    const inputs = seq2seq ? { input_ids: ids, attention_mask: mask, decoder_input_ids: generated }
+        : { input_ids: ids, attention_mask: mask };
+    // `forwards` > 1: the pass repeated, each timed (the first after generate() has compiled the shaders)
+    out.forward_s = [];
+    let outputs;
+    for (let i = 0; i < (args.forwards ?? 1); i++) {
+        const t = performance.now();
+        outputs = await model(inputs);
+        out.forward_s.push((performance.now() - t) / 1000);
+    }
     const logits = outputs.logits ?? outputs.last_hidden_state;
     const data = logits.data;
     out.logits = { dtype: logits.type, dims: logits.dims, finite: Array.prototype.every.call(data, Number.isFinite) };

@@ -56,6 +56,7 @@ class OnnxExportReport:
     runtime: str = "torch"
     norm_prescales: dict[str, dict] = field(default_factory=dict)  # --runtime P: per norm, its peak and c = 2^-shift
     head_groups: int = 1  # --runtime P with float16 accumulation: the head's K in this many products (onnx_accumulate)
+    split_k: dict = field(default_factory=dict)  # --runtime P with split_k: groups asked and products split per kind
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -487,15 +488,18 @@ def finish(folder: Path, name: str | None = None) -> None:
     write_card(folder, [ONNX_FILE], name=name)
 
 
-def write_onnx(model, folder: Path, source: Path | None = None, exporter=None, name: str | None = None) -> Path:
+def write_onnx(model, folder: Path, source: Path | None = None, exporter=None, name: str | None = None,
+               profile=None, split: dict | None = None) -> Path:
     """Export `model` (all-fp16) into `folder/onnx/` with `exporter` (default: this module, decoders); copy
-    `source`'s side files if given; `name`: the folder's name once in place (the card's). Returns the last file
-    written (the decoder of an encoder-decoder)."""
+    `source`'s side files if given; `name`: the folder's name once in place (the card's); `profile`: its split-K
+    rewrite made on each graph (counted into `split`). Returns the last file written (the decoder of an
+    encoder-decoder)."""
     import sys
 
     exporter = exporter or sys.modules[__name__]
     for rel, program in exporter.programs(model):  # one graph in memory at a time
         path = folder / rel
+        split_graph(profile, program, split)
         save_program(program, path)
         del program
     if source is not None:
@@ -549,22 +553,41 @@ def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, sc
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
     prescales, groups = rewrite_for(profile, model, folder)
+    split = {}
     try:
         with atomic_folder(out, replace=overwrite) as tmp:
-            path = out / write_onnx(model, tmp, source=folder, exporter=exporter, name=out.name).relative_to(tmp)
+            path = out / write_onnx(model, tmp, source=folder, exporter=exporter, name=out.name, profile=profile,
+                                    split=split).relative_to(tmp)
             seal(tmp)  # the source's halfsafe.json now lists this folder's files (--overwrite checks them)
     except OSError as e:
         raise HalfsafeError(f"could not write {out} ({e.strerror or e}): nothing was left behind; free some space or "
                             "choose another output folder") from None
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
-    report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
+    report.runtime, report.norm_prescales, report.head_groups, report.split_k = profile.name, prescales, groups, split
     return report
+
+
+def split_graph(profile, program, counts: dict | None = None) -> None:
+    """`profile`'s split-K rewrite (halfsafe.export.onnx_split_k) on an exported graph, in place; the products split
+    per kind added to `counts`."""
+    if profile is None or max(profile.split_k) < 2:
+        return
+    from .onnx_split_k import split_matmuls_
+
+    linear, head, attention = profile.split_k
+    done = split_matmuls_(program, linear=linear, head=head, attention=attention)
+    if counts is not None:
+        counts.setdefault("groups", done.groups)
+        for kind, n in done.split.items():
+            counts.setdefault("split", {}).setdefault(kind, 0)
+            counts["split"][kind] += n
 
 
 def rewrite_for(profile, model, folder: Path) -> tuple[dict[str, dict], int]:
     """The exact graph-level rewrites `profile` needs, made on `model` in place before export: each norm prescaled
     where norm statistics are float16 (onnx_norms, measured on the folder's tokenizer and the embedded text), the
-    head split where linears accumulate in float16 (onnx_accumulate). Returns (prescales, head groups)."""
+    head split where linears accumulate in float16 (onnx_accumulate; not where the profile splits K in the graph
+    itself, onnx_split_k). Returns (prescales, head groups)."""
     from .onnx_accumulate import split_head_
 
     prescales = {}
@@ -573,7 +596,7 @@ def rewrite_for(profile, model, folder: Path) -> tuple[dict[str, dict], int]:
 
         ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
         prescales = {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
-    return prescales, split_head_(model, profile)
+    return prescales, 1 if max(profile.split_k) > 1 else split_head_(model, profile)
 
 
 def add_onnx(folder: str | Path, runtime: str | None = None, final: str | Path | None = None) -> OnnxExportReport:
@@ -591,10 +614,12 @@ def add_onnx(folder: str | Path, runtime: str | None = None, final: str | Path |
     exporter = exporter_for(folder)
     model = exporter.load_fp16(folder)
     prescales, groups = rewrite_for(profile, model, folder)
+    split = {}
     onnx_dir = folder / Path(ONNX_FILE).parent
     with atomic_folder(onnx_dir, replace=True) as tmp:
         for rel, program in exporter.programs(model):
             path = folder / rel
+            split_graph(profile, program, split)
             save_program(program, tmp / Path(rel).name)
             del program
     final = Path(final) if final is not None else folder
@@ -603,7 +628,7 @@ def add_onnx(folder: str | Path, runtime: str | None = None, final: str | Path |
     warning = not_converted_warning(folder)
     report = report_for(path, model.config.model_type, converted=warning is None, warning=warning)
     report.path = str(final / path.relative_to(folder))
-    report.runtime, report.norm_prescales, report.head_groups = profile.name, prescales, groups
+    report.runtime, report.norm_prescales, report.head_groups, report.split_k = profile.name, prescales, groups, split
     return report
 
 

@@ -42,6 +42,9 @@ class RuntimeProfile:
     matmul_chunk: int | None = None  # linear layers: dot products of runs of this many k rounded to fp16, summed in fp16
     attention_fp16: bool = False  # QK^T (accumulated as the linears), scale, mask, softmax and PV in float16
     lanes: int = 64  # float16 reductions: this many strided running sums, then a pairwise tree (reduction_ops.cc)
+    # `export onnx --runtime P`: split-K of the graph's products (linears, head, attention QK^T) into this many groups
+    # (halfsafe.export.onnx_split_k), for runtimes whose MatMul keeps one float16 running sum over K
+    split_k: tuple[int, int, int] = (1, 1, 1)
 
     @property
     def is_torch(self) -> bool:
@@ -63,7 +66,7 @@ class RuntimeProfile:
     def to_dict(self) -> dict:
         return {"name": self.name, "summary": self.summary, "rms_stats_fp16": self.rms_stats_fp16,
                 "layernorm_fp16": self.layernorm_fp16, "matmul_chunk": self.matmul_chunk,
-                "attention_fp16": self.attention_fp16, "lanes": self.lanes}
+                "attention_fp16": self.attention_fp16, "lanes": self.lanes, "split_k": list(self.split_k)}
 
 
 PROFILES = {p.name: p for p in (
@@ -76,6 +79,9 @@ PROFILES = {p.name: p for p in (
                    "(ONNX Runtime WebGPU MatMulNBits)", matmul_chunk=32),
     RuntimeProfile("all-fp16", "fp16-norm-stats and fp16-accumulate, plus attention logits, softmax and PV in float16",
                    rms_stats_fp16=True, layernorm_fp16=True, matmul_chunk=32, attention_fp16=True),
+    RuntimeProfile("ort-webgpu", "ONNX Runtime's WebGPU provider (transformers.js device 'webgpu'): float16 MatMuls "
+                   "keep one float16 running sum over K; the export splits K (linears, head, QK^T) into groups added "
+                   "pairwise", split_k=(16, 16, 1)),
 )}
 
 

@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Gemma 3 270M on ONNX Runtime's WebGPU provider (float16 arithmetic; MatMuls keep a float16 running sum over K),
+through transformers.js 4 in Node (`pipeline(..., {device: 'webgpu'})`) on a software adapter: Mesa's lavapipe
+(scripts/install-webgpu), which runs the same WGSL kernels a GPU would, in real float16.
+
+Exports of the original (bf16 checkpoint, built-in fixture):
+- `unconverted`: `halfsafe export onnx` of the original itself (fp16, no rescale);
+- `default`: `halfsafe convert` at default settings, then `halfsafe export onnx` (today's export);
+- `all-fp16`: `export onnx --runtime all-fp16` (norms prescaled, the head's K split in 4);
+- `splitk-L{l}-H{h}-A{a}`: the default export with each product's K split in groups (halfsafe.export.onnx_split_k;
+  l for the linear layers, h for the head, a for attention's QK^T), rewritten on the saved graph;
+- `runtime-ort-webgpu`: `export onnx --runtime ort-webgpu` (the rewrite as the profile wires it).
+Per export, on the first TOKENS tokens of the embedded held-out text: non-finite logits, KL(fp32 transformers ||
+WebGPU) per token (mean), top-1 agreement, GREEDY greedy tokens of generate() (KV cache) equal to fp32's before the
+first difference, and the time of one forward over the tokens (median of FORWARDS, after generate() has compiled
+the shaders). Beside them, PyTorch bf16 of the original on CPU, and the default export on ONNX Runtime's CPU
+provider (which computes float16 MatMuls in float32).
+
+Exports and measured rows are kept in WORK across runs (`--variants` measures only those named; `--redo` measures
+them again). Writes bench/results/webgpu.{md,json}.
+Command: `python bench/webgpu.py [--variants default,splitk-L16-H16-A1 ...]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # tests/jsclient.py: the Node client
+
+import jsclient  # noqa: E402
+from export_onnx_runtime import measure  # noqa: E402
+from transformers_js import _agreement  # noqa: E402
+
+from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
+from halfsafe.convert import convert_checkpoint  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx, save_program, versions  # noqa: E402
+from halfsafe.export.onnx_split_k import split_matmuls_  # noqa: E402
+from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+SPLITK = re.compile(r"^splitk-L(\d+)-H(\d+)-A(\d+)$")
+DEFAULT_VARIANTS = ("unconverted", "default", "all-fp16", "splitk-L1-H4-A1", "splitk-L4-H4-A4", "splitk-L16-H16-A1",
+                    "splitk-L16-H16-A16", "splitk-L64-H64-A16")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def export(work: Path, name: str, source: Path, converted: Path) -> Path:
+    """The export `name` in `work` (made once, kept across runs)."""
+    folder = work / name
+    if (folder / ONNX_FILE).is_file():
+        return folder
+    log(f"export {name}")
+    t = time.perf_counter()
+    m = SPLITK.match(name)
+    if m:  # the default export, its graph rewritten
+        import onnx_ir as ir
+
+        plain = export(work, "default", source, converted)
+        tmp = Path(tempfile.mkdtemp(dir=work))
+        shutil.copytree(plain, tmp / name)
+        (tmp / name / ONNX_FILE).unlink()
+        model = ir.load(str(plain / ONNX_FILE))
+        report = split_matmuls_(model, linear=int(m[1]), head=int(m[2]), attention=int(m[3]))
+        save_program(model, tmp / name / ONNX_FILE)
+        (tmp / f"{name}.export.json").write_text(json.dumps(report.to_dict()))
+        (tmp / name).rename(folder)
+        (tmp / f"{name}.export.json").rename(work / f"{name}.export.json")
+        tmp.rmdir()
+    else:
+        src = source if name == "unconverted" else converted
+        runtime = {"default": None, "all-fp16": "all-fp16"}.get(name, name.removeprefix("runtime-"))
+        report = export_onnx(src, folder, overwrite=True, runtime=runtime)
+        (work / f"{name}.export.json").write_text(json.dumps(report.to_dict()))
+    log(f"  {time.perf_counter() - t:.0f} s")
+    return folder
+
+
+def run_client(folder: Path, ids: torch.Tensor, greedy: int, forwards: int, device: str | None) -> tuple[dict, torch.Tensor]:
+    env = jsclient.webgpu_env() if device == "webgpu" else None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.f32"
+        got = jsclient.run(folder, "tjs4", ids=ids[0].tolist(), new_tokens=greedy, logits_out=out, device=device,
+                           env=env, forwards=forwards, timeout=3600)
+        logits = torch.from_numpy(np.fromfile(out, np.float32).reshape(got["logits"]["dims"])).double()
+    return got, logits
+
+
+def row_for(ref: torch.Tensor, want: list[int], got: dict, logits: torch.Tensor) -> dict:
+    row = measure(ref, logits)
+    row["nonfinite"] = int((~torch.isfinite(logits)).sum())
+    row["greedy"] = _agreement(got["generate_ids"], want) if "generate_ids" in got else None
+    row["greedy_of"] = len(want)
+    row["forward_s"] = float(np.median(got["forward_s"]))
+    row["forward_all_s"] = got["forward_s"]
+    row["generate_s"], row["load_s"] = got.get("generate_s"), got["load_s"]
+    return row
+
+
+def fmt(name: str, r: dict, greedy: int) -> str:
+    if "error" in r:
+        return f"| {name} | {r.get('device', '')} | failed: {r['error'][-160:]} | | | | |"
+    kl = f"{r['kl']:.2e}" if r.get("finite") else "—"
+    top1 = f"{100 * r['top1']:.1f}%" if r.get("finite") else "—"
+    t = f"{r['forward_s']:.2f}" if r.get("forward_s") is not None else "—"
+    agree = f"{r['greedy']}/{r.get('greedy_of', greedy)}" if r.get("greedy") is not None else "—"
+    return f"| {name} | {r.get('device', '')} | {r['nonfinite']} | {kl} | {top1} | {agree} | {t} |"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "halfsafe-bench-webgpu"),
+                    help="where the converted checkpoint, the exports and the measured rows are kept")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--greedy", type=int, default=16)
+    ap.add_argument("--forwards", type=int, default=3)
+    ap.add_argument("--redo", action="store_true", help="measure the named variants again")
+    args = ap.parse_args()
+    if jsclient.webgpu_missing():
+        sys.exit(jsclient.webgpu_missing())
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    source = gemma3_270m_folder()
+    converted = work / "converted"
+    if not (converted / "halfsafe.json").is_file():
+        log("convert (default settings)")
+        convert_checkpoint(str(source), str(converted), progress=False, overwrite=True)
+    names = [v for v in args.variants.split(",") if v]
+    folders = {n: export(work, n, source, converted) for n in names}
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(source))
+    ids = make_samples([heldout_text()], tok, tok.vocab_size, args.tokens, 1)[0]
+    stored = work / f"rows-{args.tokens}.json"  # a row measured with --greedy 0 keeps its greedy column empty
+    rows = json.loads(stored.read_text()) if stored.is_file() else {}
+    model = AutoModelForCausalLM.from_pretrained(str(source), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(ids).logits.double()
+        want = model.generate(ids, max_new_tokens=args.greedy, min_new_tokens=args.greedy, do_sample=False)[0, ids.shape[1]:].tolist() if args.greedy else []
+        if args.greedy and ("bf16 (PyTorch)" not in rows or args.redo):
+            m16 = model.to(torch.bfloat16)
+            t = time.perf_counter()
+            bf16 = m16(ids).logits.double()
+            row = measure(ref, bf16)
+            row.update(device="CPU (PyTorch)", nonfinite=int((~torch.isfinite(bf16)).sum()), forward_s=time.perf_counter() - t,
+                       greedy=_agreement(m16.generate(ids, max_new_tokens=args.greedy, min_new_tokens=args.greedy,
+                                                      do_sample=False)[0, ids.shape[1]:].tolist(), want))
+            rows["bf16 (PyTorch)"] = row
+    del model
+    runs = [(n, "webgpu") for n in names] + ([("default", None)] if "default" in names else [])
+    for name, device in runs:
+        key = f"{name} @ {device or 'cpu'}"
+        if key in rows and not args.redo and (rows[key].get("greedy") is not None or not args.greedy):
+            continue
+        log(f"{key}: transformers.js, {ids.shape[1]} tokens, {args.greedy} greedy")
+        try:
+            got, logits = run_client(folders[name], ids, args.greedy, args.forwards, device)
+            rows[key] = row_for(ref, want, got, logits)
+        except RuntimeError as e:  # the runtime refused the graph: its reason is the row
+            reason = next((ln.strip() for ln in str(e).splitlines() if "Error:" in ln), str(e).splitlines()[-1])
+            rows[key] = {"error": reason[:300], "nonfinite": None, "greedy": None}
+        rows[key]["device"] = "WebGPU (lavapipe)" if device else "ORT CPU"
+        exported = work / f"{name}.export.json"
+        rows[key]["export"] = json.loads(exported.read_text()) if exported.is_file() else {}
+        log(f"  {({k: v for k, v in rows[key].items() if k != 'export'})}")
+        stored.write_text(json.dumps(rows, indent=1))
+    stored.write_text(json.dumps(rows, indent=1))
+    write_results(rows, ids, args)
+    return 0
+
+
+def write_results(rows: dict, ids: torch.Tensor, args) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    ort = json.loads((ROOT / "clients" / "js" / "node_modules" / "tjs4" / "node_modules" / "onnxruntime-node" /
+                      "package.json").read_text())["version"]
+    base = rows.get("default @ webgpu", {}).get("forward_s")
+    lines = [
+        f"Gemma 3 270M (the original bf16 checkpoint) through transformers.js 4 in Node {jsclient.node_version()}, "
+        f"`device: 'webgpu'`: onnxruntime-node {ort}'s WebGPU provider (Dawn) on Mesa 25.0.7's lavapipe, a CPU Vulkan "
+        f"driver with float16 (scripts/install-webgpu): the WGSL kernels of a GPU, in real float16. {ids.shape[1]} tokens "
+        f"of the embedded held-out text; reference: transformers float32 of the original. KL(fp32 ‖ variant) per token "
+        f"(mean), top-1 agreement, greedy tokens of generate() equal to fp32's before the first difference, and the time "
+        f"of one forward over the {ids.shape[1]} tokens (median of {args.forwards}, shaders compiled).",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs (times "
+        f"are noisy); {', '.join(f'{k} {v}' for k, v in versions().items())}. "
+        f"Command: `python bench/webgpu.py --tokens {args.tokens} --greedy {args.greedy} --forwards {args.forwards}` "
+        f"at commit {commit}.",
+        "",
+        "| variant | runtime | non-finite logits | KL per token | top-1 | greedy = fp32 | forward (s) | vs default |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        rel = f"{r['forward_s'] / base:.2f}x" if base and r.get("device", "").startswith("WebGPU") else ""
+        lines.append(fmt(name.removesuffix(" @ webgpu"), r, args.greedy) + f" {rel} |")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "webgpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "webgpu.json").write_text(json.dumps({"commit": commit, "tokens": int(ids.shape[1]), "rows": rows},
+                                                    indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
