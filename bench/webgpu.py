@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # tests/jsclient.py: the Node client
 
 import jsclient  # noqa: E402
+import webgpu  # noqa: E402
 from export_onnx_runtime import measure  # noqa: E402
 from transformers_js import _agreement  # noqa: E402
 
@@ -96,7 +97,7 @@ def export(work: Path, name: str, source: Path, converted: Path) -> Path:
 
 
 def run_client(folder: Path, ids: torch.Tensor, greedy: int, forwards: int, device: str | None) -> tuple[dict, torch.Tensor]:
-    env = jsclient.webgpu_env() if device == "webgpu" else None
+    env = webgpu.runtime_env() if device == "webgpu" else None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.f32"
         got = jsclient.run(folder, "tjs4", ids=ids[0].tolist(), new_tokens=greedy, logits_out=out, device=device,
@@ -136,8 +137,8 @@ def main() -> int:
     ap.add_argument("--forwards", type=int, default=3)
     ap.add_argument("--redo", action="store_true", help="measure the named variants again")
     args = ap.parse_args()
-    if jsclient.webgpu_missing():
-        sys.exit(jsclient.webgpu_missing())
+    if webgpu.adapter_missing():
+        sys.exit(webgpu.adapter_missing())
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     source = gemma3_270m_folder()

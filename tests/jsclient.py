@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 import shutil
 import string
 import subprocess
@@ -33,32 +31,6 @@ def chromium_missing() -> str | None:
         return ("Debian's chromium not installed (scripts/setup installs it when run as root with apt-get; "
                 "else apt-get install chromium)")
     return node_missing()
-
-
-def webgpu_env_file() -> Path:
-    """scripts/install-webgpu's env file: Mesa's lavapipe (a CPU Vulkan driver with float16) for Dawn."""
-    cache = Path(os.environ.get("HALFSAFE_CACHE", Path.home() / ".cache" / "halfsafe")).expanduser()
-    return cache / "webgpu-mesa-25.0.7" / "env"
-
-
-def webgpu_missing() -> str | None:
-    """Why ONNX Runtime's WebGPU provider cannot run here (a skip reason), or None."""
-    if not webgpu_env_file().is_file():
-        return f"no software WebGPU adapter ({webgpu_env_file()} absent: run scripts/install-webgpu)"
-    return node_missing()
-
-
-def webgpu_env(shader_cache: str | None = None) -> dict:
-    """This process's environment plus the env file's exports (`shader_cache`: another MESA_SHADER_CACHE_DIR)."""
-    env = dict(os.environ)
-    for line in webgpu_env_file().read_text().splitlines():
-        m = re.match(r'export (\w+)="(.*)"$', line.strip())
-        if m:
-            env[m.group(1)] = re.sub(r"\$\{(\w+):\+:\$\w+\}", lambda v: ":" + env[v.group(1)] if env.get(v.group(1)) else "",
-                                     m.group(2))
-    if shader_cache is not None:
-        env["MESA_SHADER_CACHE_DIR"] = shader_cache
-    return env
 
 
 def node_version() -> str:

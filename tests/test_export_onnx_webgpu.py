@@ -25,6 +25,7 @@ pytest.importorskip("onnxscript")
 import jsclient  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
+import webgpu  # noqa: E402
 from jsclient import save_char_tokenizer  # noqa: E402
 from stress import make_stress  # noqa: E402
 from tiny import make_tiny  # noqa: E402
@@ -185,14 +186,14 @@ def _wide_tiny(root: Path):
     return model.float().eval()
 
 
-@pytest.mark.skipif(jsclient.webgpu_missing() is not None, reason=jsclient.webgpu_missing() or "")
+@pytest.mark.skipif(webgpu.adapter_missing() is not None, reason=webgpu.adapter_missing() or "")
 def test_split_is_closer_to_fp32_on_real_webgpu(tmp_path):
     model = _wide_tiny(tmp_path)
     export_onnx(tmp_path / "converted", tmp_path / "plain")
     export_onnx(tmp_path / "converted", tmp_path / "split", runtime="ort-webgpu")
     ids = make_samples([default_text()], None, model.config.vocab_size, 24, 1)[0]
     ref = logits(model, ids).double()
-    env = jsclient.webgpu_env()
+    env = webgpu.runtime_env()
     errors = {}
     for name in ("plain", "split"):
         with tempfile.TemporaryDirectory() as tmp:
