@@ -1,0 +1,89 @@
+"""float16 ops as ONNX Runtime's WebGPU provider computes them (onnxruntime-node 1.30.0 on Mesa's lavapipe).
+
+Float16 values held in float32 tensors, as in halfsafe.core.arith16. What the shaders write (read from the WGSL
+ONNX Runtime generates, runtime.profiles names the kernels) and what the Vulkan driver does with it (measured):
+- every float16 operation is rounded to float16 on its own (round to nearest even, subnormals kept, overflow to
+  inf); `a * b + c` is two roundings, and so is WGSL's `fma()` on float16;
+- `exp(x)` is `exp2(x * log2(e))` with the product rounded to float16 and log2(e) a float16 constant (1.4424),
+  so it errs by up to ~|x| * 3e-4 relative: a few float16 ulps for the arguments softmax sees.
+tests/test_ort_webgpu_ops.py checks each function against the runtime, exp and GELU on every finite float16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .arith16 import r16, scalar16
+
+LOG2E = scalar16(math.log2(math.e))  # 1.4423828125: the float16 constant the shader multiplies by
+SOFTMAX_START_MAX = -65504.0  # a lane's running max before it reads anything (`x_value_t(-65504.0h)`)
+
+
+def exp16(x: torch.Tensor) -> torch.Tensor:
+    """WGSL `exp` of float16 values: exp2 of the float16 product x * 1.4424, rounded once to float16."""
+    return r16(torch.exp2(r16(x.float() * LOG2E).double()))
+
+
+def gelu_tanh16(x: torch.Tensor) -> torch.Tensor:
+    """ONNX Gelu(approximate="tanh") as the shader writes it, each step in float16:
+    `a * (0.5 + 0.5 * tanh(a * (0.0357 * a * a + 0.798)))`, tanh(t) = sign(t) * (1 - e) / (1 + e), e = exp(-2|t|)."""
+    a = r16(x.float())
+    inner = r16(a * r16(r16(r16(scalar16(0.035677408136300125) * a) * a) + scalar16(0.7978845608028654)))
+    e = exp16(r16(-2.0 * inner.abs()))
+    tanh = r16(r16(torch.sign(inner) * r16(1.0 - e)) / r16(1.0 + e))
+    return r16(a * r16(0.5 + r16(0.5 * tanh)))
+
+
+def vector_width(n: int) -> int:
+    """How many elements the provider packs into one vector along a dimension of n: 4, 2 or 1."""
+    return 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
+
+
+def _merge(max_a, sum_a, max_b, sum_b):
+    """Two (running max, sum of exp(x - max)) pairs as one, in float16: each sum rescaled to the larger max."""
+    top = torch.maximum(max_a, max_b)
+    scaled_a = r16(sum_a * exp16(r16(max_a - top)))
+    scaled_b = r16(sum_b * exp16(r16(max_b - top)))
+    return top, r16(scaled_a + scaled_b)
+
+
+def softmax16(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim as the provider's Softmax shader computes it (online softmax), in float16.
+
+    The row is read as vectors of vector_width(n); a workgroup of 64 lanes (256 when the tensor is one row) runs
+    over it, lane j reading vectors j, j + 64, ...: per vector, its max, the new running max m, the exps of
+    (x - m) added left to right, and the lane's sum rescaled by exp(old m - m) before that is added. The lanes then
+    merge in halves (lanes i and i + 32, then i and i + 16, ...), each sum rescaled to the larger max. Output:
+    exp(x - max) / sum."""
+    x = r16(x.float())
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    width = vector_width(n)
+    lanes = 256 if rows == 1 else 64
+    flat = x.reshape(rows, n // width, width)
+    steps = max(1, -(-flat.shape[1] // lanes))
+    # padding with -inf vectors leaves a lane as it was: new max = old max, exp(-inf) = 0, sum * exp(0) = sum
+    padded = torch.full((rows, steps * lanes, width), -math.inf)
+    padded[:, :flat.shape[1]] = flat
+    padded = padded.reshape(rows, steps, lanes, width)
+    run_max = torch.full((rows, lanes), SOFTMAX_START_MAX)
+    run_sum = torch.zeros(rows, lanes)
+    for s in range(steps):
+        v = padded[:, s]
+        new_max = torch.maximum(run_max, v.amax(-1))
+        e = exp16(r16(v - new_max.unsqueeze(-1)))
+        vector_sum = e[..., 0]
+        for j in range(1, width):
+            vector_sum = r16(vector_sum + e[..., j])
+        run_sum = r16(r16(run_sum * exp16(r16(run_max - new_max))) + vector_sum)
+        run_max = new_max
+    size = lanes
+    while size > 1:
+        half = size // 2
+        run_max, run_sum = _merge(run_max[:, :half], run_sum[:, :half], run_max[:, half:size], run_sum[:, half:size])
+        size = half
+    row_max, row_sum = run_max[:, :1], run_sum[:, :1]
+    y = r16(exp16(r16(x.reshape(rows, n) - row_max)) / row_sum)
+    return torch.nan_to_num(y.clamp_min(0.0), nan=0.0).reshape(x.shape)  # `max(value, 0)`: NaN (0/0) -> 0
