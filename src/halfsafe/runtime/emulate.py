@@ -8,13 +8,16 @@
 - nn.LayerNorm (and F.layer_norm called inside a norm): arith16.layer_norm16, decomposed in float16.
 - nn.Linear and GPT-2's Conv1D: arith16.matmul16 (float16 accumulation over runs of `matmul_chunk`), bias in fp16.
 - attention: a registered attention function (eager masks) doing QK^T and PV as the linears do, the scale, softcap,
-  mask and softmax in float16.
+  mask and softmax in float16. Under `kernels="ort-webgpu"`, as the exported graph's decomposed SDPA runs there:
+  q and k each scaled by sqrt(scale), the online softmax of arith16_webgpu.
+- `kernels="ort-webgpu"`: GELU (tanh) activation modules compute arith16_webgpu.gelu_tanh16.
 
 The `torch` profile patches nothing. Fused MoE experts and embeddings keep PyTorch's arithmetic.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from collections import Counter
 
@@ -23,15 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..core import arith16
+from ..core import arith16, arith16_webgpu
 from ..errors import HalfsafeError
 from .baselines import RuntimeHandle
 from .profiles import RuntimeProfile, get_profile
 
 ATTENTION_NAME = "halfsafe_fp16"
+WEBGPU_ATTENTION_NAME = "halfsafe_ort_webgpu"
+GELU_TANH_CLASSES = ("GELUTanh", "PytorchGELUTanh")  # transformers' gelu_pytorch_tanh: ONNX Gelu(approximate="tanh")
 
 
-calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention"): what a run reached
+calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention", "gelu"): what a run reached
 
 
 def is_rms_norm(m: nn.Module) -> bool:
@@ -159,12 +164,53 @@ def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=
     return out, probs.to(query.dtype)
 
 
-def _register_attention() -> None:
+def attention_webgpu16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                       **kwargs):
+    """Attention as ONNX Runtime WebGPU runs torch.onnx's decomposed SDPA, every step in float16: q and k each times
+    sqrt(scale), QK^T and PV as float16 running sums of rounded products, the mask added, the online softmax
+    (arith16_webgpu). A softcap (eager attention's) is applied as attention16 does, after an unsplit scale."""
+    calls["attention"] += 1
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q, k, v = (arith16.r16(t.float()) for t in (query, key, value))
+    if softcap is None:
+        root = arith16.scalar16(math.sqrt(scaling))
+        logits = arith16.sequential_matmul16(arith16.r16(q * root), arith16.r16(k * root))
+    else:
+        cap = arith16.scalar16(softcap)
+        logits = arith16.r16(arith16.sequential_matmul16(q, k) * arith16.scalar16(scaling))
+        logits = arith16.r16(arith16.r16(torch.tanh(arith16.r16(logits / cap))) * cap)
+    if attention_mask is not None:
+        logits = arith16.r16(logits + arith16.r16(attention_mask[..., : key.shape[-2]].float()))
+    probs = arith16_webgpu.softmax16(logits)
+    out = arith16.sequential_matmul16(probs, v.transpose(-1, -2))
+    return out.transpose(1, 2).contiguous().to(query.dtype), probs.to(query.dtype)
+
+
+ATTENTION = {"generic": (ATTENTION_NAME, attention16), "ort-webgpu": (WEBGPU_ATTENTION_NAME, attention_webgpu16)}
+
+
+def _register_attention(kernels: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(ATTENTION_NAME, attention16)
-    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+    name, function = ATTENTION[kernels]
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
+
+
+def is_gelu_tanh(m: nn.Module) -> bool:
+    return type(m).__name__ in GELU_TANH_CLASSES
+
+
+def _gelu_forward(self, x):
+    calls["gelu"] += 1
+    return arith16_webgpu.gelu_tanh16(x).to(x.dtype)
 
 
 def _configs(model: nn.Module):
@@ -194,11 +240,14 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
             elif profile.matmul_chunk and is_linear(m):
                 m.forward = types.MethodType(_linear_forward(profile), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
+            elif profile.kernels == "ort-webgpu" and is_gelu_tanh(m):
+                m.forward = types.MethodType(_gelu_forward, m)
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
         if profile.attention_fp16:
-            _register_attention()
+            name = _register_attention(profile.kernels)
             for c in _configs(model):
                 before = c._attn_implementation
-                c._attn_implementation = ATTENTION_NAME
+                c._attn_implementation = name
                 handle.add_undo(lambda c=c, before=before: setattr(c, "_attn_implementation", before))
     except BaseException:
         handle.remove()

@@ -28,6 +28,7 @@ from .profiles import RuntimeProfile, get_profile
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
 PARTIAL_TOKENS = 128
 PARTIAL_CALLS = 2
+SEGMENT_RUNS = 64  # running sums held at once per output (every run for K <= 64 * matmul_chunk)
 
 
 @dataclass
@@ -105,9 +106,20 @@ class LinearStats:
         for start in range(0, weight.shape[0], step):
             stop = min(start + step, weight.shape[0])
             w = weight.rows(start, stop) if isinstance(weight, WideWeight) else weight[start:stop]
-            running = arith16.chunk_sums(x2, w.detach().float(), self.chunk).cumsum(-1)
+            self._update_rows(x2, w.detach().float())
+
+    def _update_rows(self, x2: torch.Tensor, w: torch.Tensor) -> None:
+        """The running sums [T, rows, runs], SEGMENT_RUNS runs at a time, each segment carrying on from the last
+        one's end (a run of 1 product has K of them: Gemma 3's head would need 85 GB at once)."""
+        k = x2.shape[-1]
+        step = SEGMENT_RUNS * self.chunk
+        carry = torch.zeros(x2.shape[0], w.shape[0], device=x2.device)
+        for start in range(0, k, step):
+            parts = arith16.chunk_sums(x2[:, start:start + step], w[:, start:start + step], self.chunk)
+            running = parts.cumsum(-1) if start == 0 else carry.unsqueeze(-1) + parts.cumsum(-1)
             self.partial_max = max(self.partial_max, float(running.abs().max()))
-            self.out_max = max(self.out_max, float(running[..., -1].abs().max()))
+            carry = running[..., -1]
+        self.out_max = max(self.out_max, float(carry.abs().max()))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "class": self.module_class, "chunk": self.chunk, "partial_max": self.partial_max,

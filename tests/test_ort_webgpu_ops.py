@@ -1,0 +1,212 @@
+"""The `ort-webgpu` profile's float16 ops against ONNX Runtime's WebGPU provider itself.
+
+onnxruntime-node 1.30 (transformers.js 4's, run by clients/js/ort_op.mjs) on Mesa's lavapipe, a CPU Vulkan driver
+with real float16 arithmetic (scripts/install-webgpu), runs one-node graphs built here with onnx.helper on random
+float16 inputs; halfsafe's emulation (arith16.sequential_matmul16, arith16_webgpu) computes the same. Every op
+agrees bit for bit: MatMul on each program the provider picks (naive, packed scalar and vec4, 4x1 and 4x4 outputs
+per thread, batched and broadcast), Gemm with a bias, Softmax on vectors of 1, 2 and 4 with 64 and 256 lanes, and
+Exp and Gelu(tanh) on every finite float16. The chunked model of the older profiles (fp16-accumulate) does not.
+All graphs run in one Node process (shader compiles dominate: ~30 s with an empty shader cache, ~5 s warm).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+
+from jsclient import CLIENTS, install, node_missing  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+from halfsafe.core import arith16, arith16_webgpu  # noqa: E402
+from halfsafe.io.cache import cache_dir  # noqa: E402
+
+ENV_FILE = cache_dir() / "webgpu-mesa-25.0.7" / "env"  # what scripts/install-webgpu writes
+RUNNER = CLIENTS / "ort_op.mjs"
+DTYPES = {np.float16: ("float16", TensorProto.FLOAT16), np.float32: ("float32", TensorProto.FLOAT)}
+
+
+def _adapter_missing() -> str | None:
+    if not ENV_FILE.is_file():
+        return f"no software WebGPU adapter ({ENV_FILE} absent: scripts/install-webgpu)"
+    return node_missing()
+
+
+def _runtime_env() -> dict:
+    """The environment with the env file's exports applied (lavapipe's libraries, its ICD, the shader cache)."""
+    out = subprocess.run(["bash", "-c", 'source "$1" && env -0', "-", str(ENV_FILE)], capture_output=True, check=True)
+    return dict(line.split("=", 1) for line in out.stdout.decode().split("\0") if "=" in line)
+
+
+pytestmark = pytest.mark.skipif(_adapter_missing() is not None, reason=_adapter_missing() or "")
+
+
+def _graph(op: str, inputs: dict, constants: dict | None = None, **attrs):
+    """One `op` node: `inputs` are graph inputs, `constants` initializers (a linear's weight), output Y float16."""
+    constants = constants or {}
+    info = [helper.make_tensor_value_info(n, DTYPES[a.dtype.type][1], list(a.shape)) for n, a in inputs.items()]
+    init = [helper.make_tensor(n, DTYPES[a.dtype.type][1], list(a.shape), a.tobytes(), raw=True)
+            for n, a in constants.items()]
+    node = helper.make_node(op, [*inputs, *constants], ["Y"], **attrs)
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT16, None)
+    graph = helper.make_graph([node], op.lower(), info, [y], initializer=init)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
+
+
+def run_webgpu(cases: dict, folder: Path) -> dict[str, np.ndarray]:
+    """{name: (model, inputs)} -> {name: Y}, all run by one ort_op.mjs process on the WebGPU provider."""
+    install()
+    runs = []
+    for name, (model, inputs) in cases.items():
+        case = folder / name
+        case.mkdir(parents=True)
+        onnx.save(model, str(case / "model.onnx"))
+        spec = {}
+        for n, a in inputs.items():
+            a.tofile(case / f"{n}.bin")
+            spec[n] = {"file": str(case / f"{n}.bin"), "dtype": DTYPES[a.dtype.type][0], "dims": list(a.shape)}
+        runs.append({"model": str(case / "model.onnx"), "inputs": spec, "out": str(case / "out")})
+    args = json.dumps({"device": "webgpu", "runs": runs})
+    done = subprocess.run(["node", str(RUNNER), args], capture_output=True, text=True, env=_runtime_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    out = {}
+    for name, result in zip(cases, results):
+        dims = result["outputs"]["Y"]["dims"]
+        out[name] = np.fromfile(folder / name / "out" / "Y.bin", dtype=np.float16).reshape(dims)
+    return out
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.astype(np.float32))
+
+
+def _same(got: np.ndarray, want: torch.Tensor) -> int:
+    """How many elements differ (NaN equal to NaN)."""
+    g = _t(got)
+    return int((~((g == want) | (g.isnan() & want.isnan()))).sum())
+
+
+RNG = np.random.default_rng(20261203)
+
+# (A shape, B shape): the program the provider picks, from MatMul::ComputeInternal / CreateMatMulProgram
+MATMULS = {
+    "vec4-4x1": ((1, 64), (64, 64)),  # K, N multiples of 4, M <= 8: 4 outputs per thread
+    "vec4-4x4": ((48, 64), (64, 96)),  # M > 8: 4x4 outputs per thread, two tiles of 32 k
+    "scalar": ((5, 37), (37, 19)),  # K not a multiple of 4: one element at a time
+    "naive": ((3, 2, 7), (7, 4)),  # N < 8 and K < 8: MatMulNaiveProgram, fma()
+    "batched": ((2, 3, 9, 33), (2, 3, 33, 12)),
+    "broadcast": ((2, 1, 6, 8), (1, 3, 8, 12)),
+    "vector-batch": ((4, 1, 100), (100, 36)),  # batch of single rows against one matrix: reshaped to [1, 4, K]
+}
+
+
+def _float16(shape, scale=2.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float16)
+
+
+def _every_float16() -> np.ndarray:
+    """Each finite float16 once, as one row."""
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    return every[np.isfinite(every)].reshape(1, -1)
+
+
+def _cases() -> tuple[dict, dict]:
+    """{name: (model, inputs)} for the runtime, {name: emulated Y} computed here."""
+    cases, want = {}, {}
+    for name, (sa, sb) in MATMULS.items():
+        a, b = _float16(sa), _float16(sb)
+        cases[f"matmul-{name}"] = (_graph("MatMul", {"A": a, "B": b}), {"A": a, "B": b})
+        want[f"matmul-{name}"] = arith16.sequential_matmul16(_t(a), _t(b).transpose(-1, -2))
+    x, w = _float16((9, 40)), _float16((40, 24), 0.5)  # a linear: the weight an initializer
+    cases["matmul-weight"] = (_graph("MatMul", {"X": x}, {"W": w}), {"X": x})
+    want["matmul-weight"] = arith16.matmul16(_t(x), _t(w).t(), chunk=1)
+    x, w, bias = _float16((5, 64)), _float16((64, 32)), _float16((32,))
+    cases["gemm-bias"] = (_graph("Gemm", {"X": x}, {"W": w, "C": bias}), {"X": x})
+    want["gemm-bias"] = arith16.r16(arith16.sequential_matmul16(_t(x), _t(w).t()) + _t(bias))
+    # one 2048 then 63 ones: a float16 running sum stays at 2048 (2048 + 1 ties to the even 2048)
+    big = np.ones((1, 64), np.float16)
+    big[0, 0] = 2048
+    ones = np.ones((64, 8), np.float16)
+    cases["matmul-2048"] = (_graph("MatMul", {"A": big, "B": ones}), {"A": big, "B": ones})
+    want["matmul-2048"] = arith16.sequential_matmul16(_t(big), _t(ones).t())
+
+    softmaxes = {"width1": (3, 7), "width2": (3, 10), "width4-48": (2, 4, 48),
+                 "several-steps": (5, 300), "width2-130": (2, 130)}
+    for name, shape in softmaxes.items():
+        x = _float16(shape, 4.0)
+        cases[f"softmax-{name}"] = (_graph("Softmax", {"X": x}, axis=-1), {"X": x})
+        want[f"softmax-{name}"] = arith16_webgpu.softmax16(_t(x))
+    for name, shape in {"long-rows": (16, 1000), "long-rows-width1": (16, 999), "one-row-256-lanes": (1, 4000)}.items():
+        x = _float16(shape, 0.5)  # exps near 1: sums near 1000, whose rounding depends on the order of the adds
+        cases[f"softmax-{name}"] = (_graph("Softmax", {"X": x}, axis=-1), {"X": x})
+        want[f"softmax-{name}"] = arith16_webgpu.softmax16(_t(x))
+    causal = np.triu(np.full((6, 6), -np.inf, np.float16), 1) + _float16((6, 6), 3.0)
+    causal[0] = -np.inf  # a row masked whole: 0 / 0, which the shader's max(value, 0) turns into 0
+    cases["softmax-masked"] = (_graph("Softmax", {"X": causal}, axis=-1), {"X": causal})
+    want["softmax-masked"] = arith16_webgpu.softmax16(_t(causal))
+
+    every = _every_float16()
+    cases["exp-every"] = (_graph("Exp", {"X": every}), {"X": every})
+    want["exp-every"] = arith16_webgpu.exp16(_t(every))
+    cases["gelu-every"] = (_graph("Gelu", {"X": every}, approximate="tanh"), {"X": every})
+    want["gelu-every"] = arith16_webgpu.gelu_tanh16(_t(every))
+    return cases, want
+
+
+@pytest.fixture(scope="module")
+def webgpu(tmp_path_factory):
+    cases, want = _cases()
+    got = run_webgpu(cases, tmp_path_factory.mktemp("ort-webgpu"))
+    return got, want, cases
+
+
+@pytest.mark.parametrize("name", [f"matmul-{n}" for n in MATMULS] + ["matmul-weight", "gemm-bias", "matmul-2048"])
+def test_matmul_is_a_float16_running_sum_bit_for_bit(webgpu, name):
+    got, want, _ = webgpu
+    assert got[name].shape == tuple(want[name].shape)
+    assert _same(got[name], want[name]) == 0, name
+
+
+def test_matmul_running_sum_stalls_at_2048(webgpu):
+    got, *_ = webgpu
+    assert (got["matmul-2048"] == 2048).all()  # float32 runs of 32 (fp16-accumulate) would give 2112
+
+
+def test_the_chunked_model_does_not_match_the_runtime(webgpu):
+    """fp16-accumulate's model (float32 dot products of 32 k, then a float16 running sum) on the same inputs: the
+    2048 probe gives 2112 where the runtime gives 2048, and random products differ too (the test has teeth)."""
+    got, _, cases = webgpu
+    big, ones = cases["matmul-2048"][1]["A"], cases["matmul-2048"][1]["B"]
+    chunked = arith16.matmul16(_t(big), _t(ones).t(), chunk=32)
+    assert (chunked == 2112).all() and _same(got["matmul-2048"], chunked) == 8
+    a, b = (cases["matmul-vec4-4x4"][1][n] for n in "AB")
+    assert _same(got["matmul-vec4-4x4"], arith16.matmul16(_t(a), _t(b).t(), chunk=32)) > 100  # of 4608
+
+
+@pytest.mark.parametrize("name", ["width1", "width2", "width4-48", "one-row-256-lanes", "several-steps", "width2-130",
+                                  "long-rows", "long-rows-width1", "masked"])
+def test_softmax_bit_for_bit(webgpu, name):
+    got, want, _ = webgpu
+    assert _same(got[f"softmax-{name}"], want[f"softmax-{name}"]) == 0, name
+
+
+def test_softmax_differs_from_the_generic_float16_softmax(webgpu):
+    got, _, cases = webgpu
+    x = cases["softmax-several-steps"][1]["X"]
+    assert _same(got["softmax-several-steps"], arith16.softmax16(_t(x))) > 100  # of 1500
+
+
+@pytest.mark.parametrize("op", ["exp", "gelu"])
+def test_exp_and_gelu_on_every_finite_float16(webgpu, op):
+    got, want, _ = webgpu
+    assert _same(got[f"{op}-every"], want[f"{op}-every"]) == 0
+    x = _t(_every_float16())
+    rounded_once = {"exp": torch.exp(x.double()), "gelu": torch.nn.functional.gelu(x.double(), approximate="tanh")}[op]
+    assert _same(got[f"{op}-every"], arith16.r16(rounded_once.float())) > 1000  # not the correctly rounded function
