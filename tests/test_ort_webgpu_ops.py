@@ -4,8 +4,8 @@ onnxruntime-node 1.30 (transformers.js 4's, run by clients/js/ort_op.mjs) on Mes
 with real float16 arithmetic (scripts/install-webgpu), runs one-node graphs built here with onnx.helper on random
 float16 inputs; halfsafe's emulation (arith16.sequential_matmul16, arith16_webgpu) computes the same. Every op
 agrees bit for bit: MatMul on each program the provider picks (naive, packed scalar and vec4, 4x1 and 4x4 outputs
-per thread, batched and broadcast), Gemm with a bias, Softmax on vectors of 1, 2 and 4 with 64 and 256 lanes, and
-Exp and Gelu(tanh) on every finite float16. The chunked model of the older profiles (fp16-accumulate) does not.
+per thread, batched and broadcast), Gemm with a bias, Softmax on vectors of 1, 2 and 4 with 64 and 256 lanes,
+LayerNormalization, ReduceMean of float32, and Exp and Gelu(tanh) on every finite float16. The chunked model of the older profiles (fp16-accumulate) does not.
 All graphs run in one Node process (shader compiles dominate: ~30 s with an empty shader cache, ~5 s warm).
 """
 
@@ -29,7 +29,9 @@ from halfsafe.io.cache import cache_dir  # noqa: E402
 
 ENV_FILE = cache_dir() / "webgpu-mesa-25.0.7" / "env"  # what scripts/install-webgpu writes
 RUNNER = CLIENTS / "ort_op.mjs"
-DTYPES = {np.float16: ("float16", TensorProto.FLOAT16), np.float32: ("float32", TensorProto.FLOAT)}
+DTYPES = {np.float16: ("float16", TensorProto.FLOAT16), np.float32: ("float32", TensorProto.FLOAT),
+          np.int64: ("int64", TensorProto.INT64)}
+NUMPY = {name: dtype for dtype, (name, _) in DTYPES.items()}
 
 
 def _adapter_missing() -> str | None:
@@ -47,14 +49,14 @@ def _runtime_env() -> dict:
 pytestmark = pytest.mark.skipif(_adapter_missing() is not None, reason=_adapter_missing() or "")
 
 
-def _graph(op: str, inputs: dict, constants: dict | None = None, **attrs):
-    """One `op` node: `inputs` are graph inputs, `constants` initializers (a linear's weight), output Y float16."""
+def _graph(op: str, inputs: dict, constants: dict | None = None, out_type: int = TensorProto.FLOAT16, **attrs):
+    """One `op` node: `inputs` are graph inputs, `constants` initializers (a linear's weight), output Y."""
     constants = constants or {}
     info = [helper.make_tensor_value_info(n, DTYPES[a.dtype.type][1], list(a.shape)) for n, a in inputs.items()]
     init = [helper.make_tensor(n, DTYPES[a.dtype.type][1], list(a.shape), a.tobytes(), raw=True)
             for n, a in constants.items()]
     node = helper.make_node(op, [*inputs, *constants], ["Y"], **attrs)
-    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT16, None)
+    y = helper.make_tensor_value_info("Y", out_type, None)
     graph = helper.make_graph([node], op.lower(), info, [y], initializer=init)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
 
@@ -78,8 +80,8 @@ def run_webgpu(cases: dict, folder: Path) -> dict[str, np.ndarray]:
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     out = {}
     for name, result in zip(cases, results):
-        dims = result["outputs"]["Y"]["dims"]
-        out[name] = np.fromfile(folder / name / "out" / "Y.bin", dtype=np.float16).reshape(dims)
+        y = result["outputs"]["Y"]
+        out[name] = np.fromfile(folder / name / "out" / "Y.bin", dtype=NUMPY[y["dtype"]]).reshape(y["dims"])
     return out
 
 
@@ -152,6 +154,17 @@ def _cases() -> tuple[dict, dict]:
     cases["softmax-masked"] = (_graph("Softmax", {"X": causal}, axis=-1), {"X": causal})
     want["softmax-masked"] = arith16_webgpu.softmax16(_t(causal))
 
+    for name, (shape, loc) in {"64": ((64, 64), 0.0), "768-off-centre": ((48, 768), 3.0), "100": ((16, 100), 1.0)}.items():
+        x, scale, bias = _float16(shape) + np.float16(loc), _float16(shape[-1:], 1.0), _float16(shape[-1:], 1.0)
+        cases[f"layernorm-{name}"] = (_graph("LayerNormalization", {"X": x}, {"S": scale, "B": bias}, axis=-1,
+                                             epsilon=1e-5), {"X": x})
+        want[f"layernorm-{name}"] = arith16_webgpu.layer_norm16(_t(x), _t(scale), _t(bias), 1e-5)
+    for name, shape in {"640": (48, 640), "50": (7, 50)}.items():  # RMSNorm's float32 statistic (Gemma, Llama)
+        x = (RNG.standard_normal(shape) ** 2).astype(np.float32)
+        mean = _graph("ReduceMean", {"X": x}, {"axes": np.array([-1])}, TensorProto.FLOAT, keepdims=1)
+        cases[f"reducemean32-{name}"] = (mean, {"X": x})
+        want[f"reducemean32-{name}"] = arith16_webgpu.mean32(torch.from_numpy(x)).unsqueeze(-1)
+
     every = _every_float16()
     cases["exp-every"] = (_graph("Exp", {"X": every}), {"X": every})
     want["exp-every"] = arith16_webgpu.exp16(_t(every))
@@ -201,6 +214,15 @@ def test_softmax_differs_from_the_generic_float16_softmax(webgpu):
     got, _, cases = webgpu
     x = cases["softmax-several-steps"][1]["X"]
     assert _same(got["softmax-several-steps"], arith16.softmax16(_t(x))) > 100  # of 1500
+
+
+@pytest.mark.parametrize("name", ["layernorm-64", "layernorm-768-off-centre", "layernorm-100", "reducemean32-640",
+                                  "reducemean32-50"])
+def test_norm_ops_bit_for_bit(webgpu, name):
+    """LayerNormalization of float16 (the fused kernel: float32 statistics, four float16 roundings after) and
+    ReduceMean of float32 (the statistic of RMSNorms that cast to float32, as Gemma's and Llama's)."""
+    got, want, _ = webgpu
+    assert _same(got[name], want[name]) == 0, name
 
 
 @pytest.mark.parametrize("op", ["exp", "gelu"])

@@ -154,9 +154,10 @@ def test_every_profile_stays_close_on_small_activations(key):
             assert err < 4 * plain + 1e-3, (name, err, plain)
 
 
-def test_ort_webgpu_patches_linears_attention_and_gelu():
-    """The ort-webgpu profile on a tiny Gemma 3: every linear a float16 running sum, attention and GELU (tanh) as
-    the provider's shaders compute them (tests/test_ort_webgpu_ops.py checks those against the runtime itself)."""
+def test_ort_webgpu_patches_linears_attention_gelu_and_norms():
+    """The ort-webgpu profile on a tiny Gemma 3: every linear a float16 running sum, attention, GELU (tanh) and the
+    norms' float32 means as the provider's shaders compute them (tests/test_ort_webgpu_ops.py checks those against
+    the runtime itself)."""
     from halfsafe.runtime.emulate import calls
 
     model = make_tiny("gemma3_text")
@@ -169,7 +170,7 @@ def test_ort_webgpu_patches_linears_attention_and_gelu():
         with emulate_runtime(half, "ort-webgpu"):
             patched = half(input_ids=ids).logits
         assert torch.equal(half(input_ids=ids).logits, plain)  # every patch taken off
-    assert dict(calls) == {"linear": 7 * layers + 1, "attention": layers, "gelu": layers}
+    assert dict(calls) == {"linear": 7 * layers + 1, "attention": layers, "gelu": layers, "norm": 6 * layers + 1}
     assert not torch.equal(patched, plain) and torch.isfinite(patched).all()
     assert half.config._attn_implementation == model.config._attn_implementation
 
@@ -189,6 +190,21 @@ def test_attention_webgpu16_scales_q_and_k_by_the_root_and_sums_in_order():
     assert torch.equal(probs.float(), want)
     assert torch.equal(out.float().transpose(1, 2), arith16.sequential_matmul16(want, v.float().transpose(-1, -2)))
     assert torch.equal(probs[0, 0, 0, 1:], torch.zeros(4, dtype=torch.float16))  # causal mask held
+
+
+def test_ort_webgpu_layer_norm_is_the_fused_kernel():
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(64).half()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = (torch.randn(8, 64) * 3 + 1).half()
+    with torch.no_grad():
+        plain = norm(x)
+        with emulate_runtime(norm, "ort-webgpu"):
+            got = norm(x)
+    want = arith16_webgpu.layer_norm16(x.float(), norm.weight, norm.bias, norm.eps)
+    assert torch.equal(got.float(), want) and not torch.equal(got, plain)  # four float16 roundings, not one
 
 
 def test_attention16_matches_eager_softmax_attention():

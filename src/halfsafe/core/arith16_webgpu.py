@@ -87,3 +87,44 @@ def softmax16(x: torch.Tensor) -> torch.Tensor:
     row_max, row_sum = run_max[:, :1], run_sum[:, :1]
     y = r16(exp16(r16(x.reshape(rows, n) - row_max)) / row_sum)
     return torch.nan_to_num(y.clamp_min(0.0), nan=0.0).reshape(x.shape)  # `max(value, 0)`: NaN (0/0) -> 0
+
+
+def lane_sum(x: torch.Tensor, lanes: int = 64) -> torch.Tensor:
+    """Sum over the last dim as the provider's ReduceSum/ReduceMean shader adds it up, in x's own float dtype (float32
+    here; arith16.sum16 is the float16 one): lane j adds elements j, j + lanes, ... in order, then lane i adds lane
+    i + ceil(w / 2) while w, starting at min(n, lanes), halves (reduction_ops.cc). Shape [..., n] -> [...]."""
+    n = x.shape[-1]
+    steps = -(-n // lanes)
+    padded = torch.nn.functional.pad(x, (0, steps * lanes - n)).reshape(*x.shape[:-1], steps, lanes)
+    acc = padded[..., 0, :]
+    for s in range(1, steps):
+        acc = acc + padded[..., s, :]
+    width = min(n, lanes)
+    acc = acc[..., :width]
+    while width > 1:
+        half = (width + 1) // 2
+        acc = torch.cat([acc[..., : width - half] + acc[..., half:width], acc[..., width - half: half]], dim=-1)
+        width = half
+    return acc[..., 0]
+
+
+def mean32(x: torch.Tensor, lanes: int = 64) -> torch.Tensor:
+    """ReduceMean over the last dim of a float32 tensor: lane_sum, divided by n. Shape [..., n] -> [...]."""
+    x = x.float()
+    return lane_sum(x, lanes) / torch.tensor(float(x.shape[-1]))
+
+
+def layer_norm16(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The provider's fused LayerNormalization of float16 (nn/layer_norm.cc): the mean and the mean of squares in
+    float32, inverseSqrt(mean(x^2) - mean^2 + eps) in float32; then `(x - mean) * inv_std * scale + bias` in float16,
+    mean and inv_std rounded to float16 first, each step rounded. (The float32 sums are PyTorch's, in another order
+    than the shader's lanes: they can move mean or inv_std across a float16 rounding boundary, rarely.)"""
+    x = r16(x.float())
+    mean = x.mean(-1, keepdim=True)
+    inv_std = torch.rsqrt((x * x).mean(-1, keepdim=True) - mean * mean + torch.tensor(eps, dtype=torch.float32))
+    y = r16(r16(x - r16(mean)) * r16(inv_std))
+    if weight is not None:
+        y = r16(y * r16(weight.float()))
+    if bias is not None:
+        y = r16(y + r16(bias.float()))
+    return y

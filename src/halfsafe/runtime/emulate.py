@@ -10,7 +10,8 @@
 - attention: a registered attention function (eager masks) doing QK^T and PV as the linears do, the scale, softcap,
   mask and softmax in float16. Under `kernels="ort-webgpu"`, as the exported graph's decomposed SDPA runs there:
   q and k each scaled by sqrt(scale), the online softmax of arith16_webgpu.
-- `kernels="ort-webgpu"`: GELU (tanh) activation modules compute arith16_webgpu.gelu_tanh16.
+- `kernels="ort-webgpu"`: GELU (tanh) activation modules compute arith16_webgpu.gelu_tanh16; norms compute their
+  statistic's mean in ReduceMean's order and nn.LayerNorm as the fused kernel does (GraphNorm).
 
 The `torch` profile patches nothing. Fused MoE experts and embeddings keep PyTorch's arithmetic.
 """
@@ -103,6 +104,52 @@ class NormStats16(TorchFunctionMode):
             out = func(*args, **kwargs)
             return arith16.r16(out.float()).to(out.dtype)
         return func(*args, **kwargs)
+
+
+class GraphNorm(TorchFunctionMode):
+    """Inside one norm's forward under kernels="ort-webgpu", what the exported graph's norm ops compute there: the
+    mean over the last dim of a square (RMSNorm's statistic) in the square's own dtype as ReduceMean adds it up
+    (float32: arith16_webgpu.mean32; float16: arith16.mean16), F.layer_norm of float16 as the fused
+    LayerNormalization kernel (arith16_webgpu.layer_norm16). The rest as the modeling code computes it (measured on
+    Gemma 3 270M: then the graph's float32 norm outputs are bit for bit these)."""
+
+    def __init__(self, lanes: int) -> None:
+        super().__init__()
+        self.lanes = lanes
+        self.squares: list[torch.Tensor] = []  # held for the norm's forward: a freed tensor's id could name a new one
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is F.layer_norm and args[0].dtype == torch.float16:
+            x, shape = args[0], args[1]
+            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
+            eps = kwargs.get("eps", args[4] if len(args) > 4 else 1e-5)
+            if len(shape) != 1:
+                raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
+            calls["layer_norm"] += 1
+            return arith16_webgpu.layer_norm16(x, weight, bias, eps).to(x.dtype)
+        out = func(*args, **kwargs)
+        if (name in ("pow", "__pow__") and len(args) > 1 and args[1] == 2) or name == "square":
+            self.squares.append(out)
+        elif name == "mean" and any(args[0] is sq for sq in self.squares):
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if dim in (-1, x.dim() - 1, [-1], (-1,)) and x.dtype in (torch.float32, torch.float16):
+                keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+                mean = arith16_webgpu.mean32(x) if x.dtype == torch.float32 else arith16.mean16(x.float(), self.lanes)
+                calls["norm"] += 1
+                return (mean.unsqueeze(-1) if keepdim else mean).to(x.dtype)
+        return out
+
+
+def _graph_norm_forward(original, profile: RuntimeProfile):
+    def forward(self, *args, **kwargs):
+        with GraphNorm(profile.lanes):
+            return original(*args, **kwargs)
+
+    return forward
 
 
 def _norm_forward(original, profile: RuntimeProfile, rms: bool):
@@ -236,6 +283,9 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
                 if rms and not profile.rms_stats_fp16:
                     continue
                 m.forward = types.MethodType(_norm_forward(type(m).forward.__get__(m), profile, rms), m)
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
+            elif profile.kernels == "ort-webgpu" and (rms or isinstance(m, nn.LayerNorm)):
+                m.forward = types.MethodType(_graph_norm_forward(type(m).forward.__get__(m), profile), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
             elif profile.matmul_chunk and is_linear(m):
                 m.forward = types.MethodType(_linear_forward(profile), m)
