@@ -170,7 +170,7 @@ def test_ort_webgpu_patches_linears_attention_gelu_and_norms():
         with emulate_runtime(half, "ort-webgpu"):
             patched = half(input_ids=ids).logits
         assert torch.equal(half(input_ids=ids).logits, plain)  # every patch taken off
-    assert dict(calls) == {"linear": 7 * layers + 1, "attention": layers, "gelu": layers, "norm": 6 * layers + 1}
+    assert dict(calls) == {"linear": 7 * layers + 1, "attention": layers, "activation": layers, "norm": 6 * layers + 1}
     assert not torch.equal(patched, plain) and torch.isfinite(patched).all()
     assert half.config._attn_implementation == model.config._attn_implementation
 

@@ -26,14 +26,50 @@ def exp16(x: torch.Tensor) -> torch.Tensor:
     return r16(torch.exp2(r16(x.float() * LOG2E).double()))
 
 
+def tanh16(x: torch.Tensor) -> torch.Tensor:
+    """The shaders' tanh of float16 (Tanh, and inside Gelu): sign(x) * (1 - e) / (1 + e), e = exp(-2|x|)."""
+    x = r16(x.float())
+    e = exp16(r16(-2.0 * x.abs()))
+    return r16(r16(torch.sign(x) * r16(1.0 - e)) / r16(1.0 + e))
+
+
+def sigmoid16(x: torch.Tensor) -> torch.Tensor:
+    """Sigmoid of float16: 1 / (1 + exp(-x)) (SiLU exports as x * Sigmoid(x))."""
+    return r16(1.0 / r16(1.0 + exp16(-r16(x.float()))))
+
+
+def quick_gelu16(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """com.microsoft QuickGelu, x * sigmoid(alpha * x), which ONNX Runtime fuses SiLU's Sigmoid and Mul into (alpha 1):
+    v = alpha * x, s = 1 / (1 + exp(-v)) for v >= 0 and 1 - 1 / (1 + exp(v)) below, then x * s, in float16."""
+    a = r16(x.float())
+    v = r16(a * scalar16(alpha))
+    positive = r16(1.0 / r16(1.0 + exp16(-v)))
+    negative = r16(1.0 - r16(1.0 / r16(1.0 + exp16(v))))
+    return r16(a * torch.where(v >= 0, positive, negative))
+
+
+def pow16(x: torch.Tensor, exponent: float) -> torch.Tensor:
+    """Pow of float16 by a constant: x * x for 2, sqrt for 0.5, else sign * pow(|x|, p) computed in float32 and
+    rounded (binary_elementwise_ops.cc's pow_custom). Lavapipe's float32 pow is exp2(p * log2|x|) with its own
+    approximations: for p = 3, 8 of the 63488 finite float16 differ from this one by an ulp (measured)."""
+    x = r16(x.float())
+    if exponent == 0:
+        return torch.ones_like(x)
+    if exponent == 2:
+        return r16(x * x)
+    if exponent == 0.5:
+        return r16(torch.sqrt(x))
+    odd = round(abs(exponent) % 2.0) == 1.0
+    sign = torch.where(torch.tensor(odd), torch.sign(x), torch.ones_like(x))
+    return r16(sign * r16(torch.exp2(exponent * torch.log2(x.abs()))))
+
+
 def gelu_tanh16(x: torch.Tensor) -> torch.Tensor:
     """ONNX Gelu(approximate="tanh") as the shader writes it, each step in float16:
-    `a * (0.5 + 0.5 * tanh(a * (0.0357 * a * a + 0.798)))`, tanh(t) = sign(t) * (1 - e) / (1 + e), e = exp(-2|t|)."""
+    `a * (0.5 + 0.5 * tanh(a * (0.0357 * a * a + 0.798)))`, tanh as tanh16."""
     a = r16(x.float())
     inner = r16(a * r16(r16(r16(scalar16(0.035677408136300125) * a) * a) + scalar16(0.7978845608028654)))
-    e = exp16(r16(-2.0 * inner.abs()))
-    tanh = r16(r16(torch.sign(inner) * r16(1.0 - e)) / r16(1.0 + e))
-    return r16(a * r16(0.5 + r16(0.5 * tanh)))
+    return r16(a * r16(0.5 + r16(0.5 * tanh16(inner))))
 
 
 def vector_width(n: int) -> int:

@@ -10,8 +10,10 @@
 - attention: a registered attention function (eager masks) doing QK^T and PV as the linears do, the scale, softcap,
   mask and softmax in float16. Under `kernels="ort-webgpu"`, as the exported graph's decomposed SDPA runs there:
   q and k each scaled by sqrt(scale), the online softmax of arith16_webgpu.
-- `kernels="ort-webgpu"`: GELU (tanh) activation modules compute arith16_webgpu.gelu_tanh16; norms compute their
-  statistic's mean in ReduceMean's order and nn.LayerNorm as the fused kernel does (GraphNorm).
+- `kernels="ort-webgpu"`: activation modules compute their float16 ops as the exported graph's run there, after
+  ONNX Runtime's own fusions (GraphActivation: GELU (tanh), SiLU as QuickGelu, gelu_new as FastGelu, sigmoid,
+  tanh, pow); norms compute their statistic's mean in ReduceMean's order and nn.LayerNorm as the fused kernel does
+  (GraphNorm).
 
 The `torch` profile patches nothing. Fused MoE experts and embeddings keep PyTorch's arithmetic.
 """
@@ -34,10 +36,9 @@ from .profiles import RuntimeProfile, get_profile
 
 ATTENTION_NAME = "halfsafe_fp16"
 WEBGPU_ATTENTION_NAME = "halfsafe_ort_webgpu"
-GELU_TANH_CLASSES = ("GELUTanh", "PytorchGELUTanh")  # transformers' gelu_pytorch_tanh: ONNX Gelu(approximate="tanh")
 
 
-calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention", "gelu"): what a run reached
+calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention", "activation"): what a run reached
 
 
 def is_rms_norm(m: nn.Module) -> bool:
@@ -251,13 +252,57 @@ def _register_attention(kernels: str) -> str:
     return name
 
 
-def is_gelu_tanh(m: nn.Module) -> bool:
-    return type(m).__name__ in GELU_TANH_CLASSES
+def is_activation(m: nn.Module) -> bool:
+    """An activation module: transformers' (ACT2FN's classes) or torch's SiLU, GELU, Tanh, Sigmoid."""
+    return isinstance(m, (nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid)) or type(m).__module__ == "transformers.activations"
 
 
-def _gelu_forward(self, x):
-    calls["gelu"] += 1
-    return arith16_webgpu.gelu_tanh16(x).to(x.dtype)
+SCALAR_OPS = {"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "div",
+              "__truediv__", "__rtruediv__"}
+
+
+FUSED_ACTIVATIONS = {"NewGELUActivation": arith16_webgpu.gelu_tanh16}  # ONNX Runtime's FastGeluFusion: FastGelu
+
+
+class GraphActivation(TorchFunctionMode):
+    """Inside one activation module's forward under kernels="ort-webgpu", its float16 ops as the exported graph's
+    run there: F.gelu(approximate="tanh") as the Gelu shader, F.silu as QuickGelu (ONNX Runtime fuses the exported
+    Sigmoid and Mul into it), torch.sigmoid, torch.tanh and torch.pow by a constant as arith16_webgpu computes them,
+    and Python numbers float16 constants (the graph stores them so: PyTorch would multiply by the float32 number).
+    F.gelu without approximation (erf) stays PyTorch's: the shader's erf polynomial is not emulated."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.float16):
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func is F.gelu and kwargs.get("approximate", args[1] if len(args) > 1 else "none") == "tanh":
+            return arith16_webgpu.gelu_tanh16(x).to(x.dtype)
+        if func is F.silu:
+            return arith16_webgpu.quick_gelu16(x).to(x.dtype)
+        if name == "sigmoid":
+            return arith16_webgpu.sigmoid16(x).to(x.dtype)
+        if name == "tanh":
+            return arith16_webgpu.tanh16(x).to(x.dtype)
+        if name in ("pow", "__pow__") and len(args) > 1 and isinstance(args[1], (int, float)):
+            return arith16_webgpu.pow16(x, float(args[1])).to(x.dtype)
+        if name in SCALAR_OPS:
+            args = tuple(arith16.scalar16(a) if isinstance(a, float) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _activation_forward(original):
+    def forward(self, *args, **kwargs):
+        calls["activation"] += 1
+        fused = FUSED_ACTIVATIONS.get(type(self).__name__)
+        x = args[0] if args else None
+        if fused is not None and isinstance(x, torch.Tensor) and x.dtype == torch.float16:
+            return fused(x).to(x.dtype)
+        with GraphActivation():
+            return original(*args, **kwargs)
+
+    return forward
 
 
 def _configs(model: nn.Module):
@@ -290,8 +335,8 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
             elif profile.matmul_chunk and is_linear(m):
                 m.forward = types.MethodType(_linear_forward(profile), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
-            elif profile.kernels == "ort-webgpu" and is_gelu_tanh(m):
-                m.forward = types.MethodType(_gelu_forward, m)
+            elif profile.kernels == "ort-webgpu" and is_activation(m):
+                m.forward = types.MethodType(_activation_forward(type(m).forward.__get__(m)), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
         if profile.attention_fp16:
             name = _register_attention(profile.kernels)
