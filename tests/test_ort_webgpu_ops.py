@@ -13,8 +13,6 @@ finite float16; Pow by 3 within an ulp (lavapipe's float32 pow). The chunked mod
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -23,39 +21,21 @@ import torch
 
 onnx = pytest.importorskip("onnx")
 
-from jsclient import CLIENTS, install, node_missing  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
+from ort_webgpu import adapter_missing, run_graphs  # noqa: E402
 
 from halfsafe.core import arith16, arith16_webgpu  # noqa: E402
-from halfsafe.io.cache import cache_dir  # noqa: E402
 
-ENV_FILE = cache_dir() / "webgpu-mesa-25.0.7" / "env"  # what scripts/install-webgpu writes
-RUNNER = CLIENTS / "ort_op.mjs"
-DTYPES = {np.float16: ("float16", TensorProto.FLOAT16), np.float32: ("float32", TensorProto.FLOAT),
-          np.int64: ("int64", TensorProto.INT64)}
-NUMPY = {name: dtype for dtype, (name, _) in DTYPES.items()}
+ELEMENT_TYPES = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT, np.int64: TensorProto.INT64}
 
-
-def _adapter_missing() -> str | None:
-    if not ENV_FILE.is_file():
-        return f"no software WebGPU adapter ({ENV_FILE} absent: scripts/install-webgpu)"
-    return node_missing()
-
-
-def _runtime_env() -> dict:
-    """The environment with the env file's exports applied (lavapipe's libraries, its ICD, the shader cache)."""
-    out = subprocess.run(["bash", "-c", 'source "$1" && env -0', "-", str(ENV_FILE)], capture_output=True, check=True)
-    return dict(line.split("=", 1) for line in out.stdout.decode().split("\0") if "=" in line)
-
-
-pytestmark = pytest.mark.skipif(_adapter_missing() is not None, reason=_adapter_missing() or "")
+pytestmark = pytest.mark.skipif(adapter_missing() is not None, reason=adapter_missing() or "")
 
 
 def _graph(op: str, inputs: dict, constants: dict | None = None, out_type: int = TensorProto.FLOAT16, **attrs):
     """One `op` node: `inputs` are graph inputs, `constants` initializers (a linear's weight), output Y."""
     constants = constants or {}
-    info = [helper.make_tensor_value_info(n, DTYPES[a.dtype.type][1], list(a.shape)) for n, a in inputs.items()]
-    init = [helper.make_tensor(n, DTYPES[a.dtype.type][1], list(a.shape), a.tobytes(), raw=True)
+    info = [helper.make_tensor_value_info(n, ELEMENT_TYPES[a.dtype.type], list(a.shape)) for n, a in inputs.items()]
+    init = [helper.make_tensor(n, ELEMENT_TYPES[a.dtype.type], list(a.shape), a.tobytes(), raw=True)
             for n, a in constants.items()]
     domain = attrs.pop("domain", "")
     node = helper.make_node(op, [*inputs, *constants], ["Y"], domain=domain, **attrs)
@@ -66,27 +46,13 @@ def _graph(op: str, inputs: dict, constants: dict | None = None, out_type: int =
 
 
 def run_webgpu(cases: dict, folder: Path) -> dict[str, np.ndarray]:
-    """{name: (model, inputs)} -> {name: Y}, all run by one ort_op.mjs process on the WebGPU provider."""
-    install()
+    """{name: (model, inputs)} -> {name: Y}, all run by one Node process on the WebGPU provider."""
     runs = []
     for name, (model, inputs) in cases.items():
-        case = folder / name
-        case.mkdir(parents=True)
-        onnx.save(model, str(case / "model.onnx"))
-        spec = {}
-        for n, a in inputs.items():
-            a.tofile(case / f"{n}.bin")
-            spec[n] = {"file": str(case / f"{n}.bin"), "dtype": DTYPES[a.dtype.type][0], "dims": list(a.shape)}
-        runs.append({"model": str(case / "model.onnx"), "inputs": spec, "out": str(case / "out")})
-    args = json.dumps({"device": "webgpu", "runs": runs})
-    done = subprocess.run(["node", str(RUNNER), args], capture_output=True, text=True, env=_runtime_env(), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    out = {}
-    for name, result in zip(cases, results):
-        y = result["outputs"]["Y"]
-        out[name] = np.fromfile(folder / name / "out" / "Y.bin", dtype=NUMPY[y["dtype"]]).reshape(y["dims"])
-    return out
+        (folder / name).mkdir(parents=True)
+        onnx.save(model, str(folder / name / "model.onnx"))
+        runs.append((folder / name / "model.onnx", inputs))
+    return {name: out["Y"] for name, out in zip(cases, run_graphs(runs, folder))}
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
