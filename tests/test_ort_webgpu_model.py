@@ -18,15 +18,14 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
 
 import onnx  # noqa: E402
-from ort_webgpu import adapter_missing, run_graphs  # noqa: E402
+import webgpu  # noqa: E402
 from tiny import make_tiny  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(adapter_missing() is not None, reason=adapter_missing() or ""),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _feeds(graph, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -47,13 +46,14 @@ def _feeds(graph, ids: np.ndarray) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("key", ["gemma3_text", "llama"])
-def test_emulated_logits_are_the_runtime_logits(tmp_path, key):
+def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key):
     model = make_tiny(key)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
     export_onnx(tmp_path / "model", tmp_path / "onnx")
     path = tmp_path / "onnx" / ONNX_FILE
     ids = (np.array([[2, 17, 99, 5, 77, 31, 8, 120, 3, 44, 61, 12]]) % model.config.vocab_size).astype(np.int64)
-    real = torch.from_numpy(run_graphs([(path, _feeds(onnx.load(str(path)).graph, ids))], tmp_path)[0]["logits"])
+    feeds = _feeds(onnx.load(str(path)).graph, ids)
+    real = torch.from_numpy(webgpu.run_graphs([(path, feeds)], tmp_path, webgpu_runtime.env)[0]["logits"])
 
     half = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float16).eval()
     with torch.no_grad():

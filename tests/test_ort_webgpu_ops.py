@@ -1,14 +1,15 @@
 """The `ort-webgpu` profile's float16 ops against ONNX Runtime's WebGPU provider itself.
 
 onnxruntime-node 1.30 (transformers.js 4's, run by clients/js/ort_op.mjs) on Mesa's lavapipe, a CPU Vulkan driver
-with real float16 arithmetic (scripts/install-webgpu), runs one-node graphs built here with onnx.helper on random
-float16 inputs; halfsafe's emulation (arith16.sequential_matmul16, arith16_webgpu) computes the same. Every op
-agrees bit for bit: MatMul on each program the provider picks (naive, packed scalar and vec4, 4x1 and 4x4 outputs
-per thread, batched and broadcast), Gemm with a bias, Softmax on vectors of 1, 2 and 4 with 64 and 256 lanes,
-LayerNormalization, ReduceMean of float32, and Exp, Gelu(tanh), FastGelu, QuickGelu, Sigmoid and Tanh on every
-finite float16; Pow by 3 within an ulp (lavapipe's float32 pow). The chunked model of the older profiles
-(fp16-accumulate) does not. All graphs run in one Node process (shader compiles dominate: the module took 33 s with an empty shader cache,
-16 s warm, on 2 shared cores).
+with real float16 arithmetic (tests/webgpu.py; conftest's webgpu_runtime proves it float16 first), runs one-node
+graphs built here with onnx.helper on random float16 inputs; halfsafe's emulation (arith16.sequential_matmul16,
+arith16_webgpu) computes the same. Every op agrees bit for bit: MatMul on each program the provider picks (naive,
+packed scalar and vec4, 4x1 and 4x4 outputs per thread, batched and broadcast), Gemm with a bias, Softmax on vectors
+of 1, 2 and 4 with 64 and 256 lanes, LayerNormalization, ReduceMean of float32, and Exp, Gelu(tanh), FastGelu,
+QuickGelu, Sigmoid and Tanh on every finite float16; Pow by 3 within an ulp (lavapipe's float32 pow). The chunked
+model of the older profiles (fp16-accumulate) does not. All graphs run in one Node process (shader compiles
+dominate: the module took 37 s with an empty shader cache, the float16 proof included, 16 s warm, on 2 shared
+cores).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ import torch
 
 onnx = pytest.importorskip("onnx")
 
+import webgpu  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
-from ort_webgpu import adapter_missing, run_graphs  # noqa: E402
 
 from halfsafe.core import arith16, arith16_webgpu  # noqa: E402
 
 ELEMENT_TYPES = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT, np.int64: TensorProto.INT64}
-
-pytestmark = pytest.mark.skipif(adapter_missing() is not None, reason=adapter_missing() or "")
 
 
 def _graph(op: str, inputs: dict, constants: dict | None = None, out_type: int = TensorProto.FLOAT16, **attrs):
@@ -45,14 +44,14 @@ def _graph(op: str, inputs: dict, constants: dict | None = None, out_type: int =
     return helper.make_model(graph, opset_imports=opsets, ir_version=9)
 
 
-def run_webgpu(cases: dict, folder: Path) -> dict[str, np.ndarray]:
+def run_webgpu(cases: dict, folder: Path, env: dict) -> dict[str, np.ndarray]:
     """{name: (model, inputs)} -> {name: Y}, all run by one Node process on the WebGPU provider."""
     runs = []
     for name, (model, inputs) in cases.items():
         (folder / name).mkdir(parents=True)
         onnx.save(model, str(folder / name / "model.onnx"))
         runs.append((folder / name / "model.onnx", inputs))
-    return {name: out["Y"] for name, out in zip(cases, run_graphs(runs, folder))}
+    return {name: out["Y"] for name, out in zip(cases, webgpu.run_graphs(runs, folder, env))}
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -156,28 +155,29 @@ def _cases() -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def webgpu(tmp_path_factory):
+def ops(webgpu_runtime, tmp_path_factory):
+    """(the runtime's outputs, the emulation's, the cases): skips without the adapter (conftest's webgpu_runtime)."""
     cases, want = _cases()
-    got = run_webgpu(cases, tmp_path_factory.mktemp("ort-webgpu"))
+    got = run_webgpu(cases, tmp_path_factory.mktemp("ort-webgpu"), webgpu_runtime.env)
     return got, want, cases
 
 
 @pytest.mark.parametrize("name", [f"matmul-{n}" for n in MATMULS] + ["matmul-weight", "gemm-bias", "matmul-2048"])
-def test_matmul_is_a_float16_running_sum_bit_for_bit(webgpu, name):
-    got, want, _ = webgpu
+def test_matmul_is_a_float16_running_sum_bit_for_bit(ops, name):
+    got, want, _ = ops
     assert got[name].shape == tuple(want[name].shape)
     assert _same(got[name], want[name]) == 0, name
 
 
-def test_matmul_running_sum_stalls_at_2048(webgpu):
-    got, *_ = webgpu
+def test_matmul_running_sum_stalls_at_2048(ops):
+    got, *_ = ops
     assert (got["matmul-2048"] == 2048).all()  # float32 runs of 32 (fp16-accumulate) would give 2112
 
 
-def test_the_chunked_model_does_not_match_the_runtime(webgpu):
+def test_the_chunked_model_does_not_match_the_runtime(ops):
     """fp16-accumulate's model (float32 dot products of 32 k, then a float16 running sum) on the same inputs: the
     2048 probe gives 2112 where the runtime gives 2048, and random products differ too (the test has teeth)."""
-    got, _, cases = webgpu
+    got, _, cases = ops
     big, ones = cases["matmul-2048"][1]["A"], cases["matmul-2048"][1]["B"]
     chunked = arith16.matmul16(_t(big), _t(ones).t(), chunk=32)
     assert (chunked == 2112).all() and _same(got["matmul-2048"], chunked) == 8
@@ -187,23 +187,23 @@ def test_the_chunked_model_does_not_match_the_runtime(webgpu):
 
 @pytest.mark.parametrize("name", ["width1", "width2", "width4-48", "one-row-256-lanes", "several-steps", "width2-130",
                                   "long-rows", "long-rows-width1", "masked"])
-def test_softmax_bit_for_bit(webgpu, name):
-    got, want, _ = webgpu
+def test_softmax_bit_for_bit(ops, name):
+    got, want, _ = ops
     assert _same(got[f"softmax-{name}"], want[f"softmax-{name}"]) == 0, name
 
 
-def test_softmax_differs_from_the_generic_float16_softmax(webgpu):
-    got, _, cases = webgpu
+def test_softmax_differs_from_the_generic_float16_softmax(ops):
+    got, _, cases = ops
     x = cases["softmax-several-steps"][1]["X"]
     assert _same(got["softmax-several-steps"], arith16.softmax16(_t(x))) > 100  # of 1500
 
 
 @pytest.mark.parametrize("name", ["layernorm-64", "layernorm-768-off-centre", "layernorm-100", "reducemean32-640",
                                   "reducemean32-50"])
-def test_norm_ops_bit_for_bit(webgpu, name):
+def test_norm_ops_bit_for_bit(ops, name):
     """LayerNormalization of float16 (the fused kernel: float32 statistics, four float16 roundings after) and
     ReduceMean of float32 (the statistic of RMSNorms that cast to float32, as Gemma's and Llama's)."""
-    got, want, _ = webgpu
+    got, want, _ = ops
     assert _same(got[name], want[name]) == 0, name
 
 
@@ -215,17 +215,17 @@ ROUNDED_ONCE = {  # each function computed exactly, rounded once: what the shade
 
 
 @pytest.mark.parametrize("op", sorted(ROUNDED_ONCE))
-def test_elementwise_functions_on_every_finite_float16(webgpu, op):
-    got, want, _ = webgpu
+def test_elementwise_functions_on_every_finite_float16(ops, op):
+    got, want, _ = ops
     assert _same(got[f"{op}-every"], want[f"{op}-every"]) == 0
     exact = ROUNDED_ONCE[op](_t(_every_float16()).double())
     assert _same(got[f"{op}-every"], arith16.r16(exact.float())) > 1000  # of 63488: not the correctly rounded function
 
 
-def test_pow_by_three_on_every_finite_float16(webgpu):
+def test_pow_by_three_on_every_finite_float16(ops):
     """Lavapipe's float32 pow (exp2 and log2 of its own) is not PyTorch's: 8 of the 63488 results differ by an ulp
     (measured); the exactly rounded cube differs in 38."""
-    got, want, _ = webgpu
+    got, want, _ = ops
     diff = (_t(got["pow3-every"]) - want["pow3-every"]).abs()
     ulp = 2.0 ** (torch.floor(torch.log2(want["pow3-every"].abs().clamp_min(2.0 ** -14))) - 10)
     assert _same(got["pow3-every"], want["pow3-every"]) <= 8 and bool((diff[diff == diff] <= ulp[diff == diff]).all())
