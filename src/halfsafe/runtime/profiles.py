@@ -42,6 +42,8 @@ breaks under it. The kernels each profile follows, read at the commits named:
   them into (SiLU's Sigmoid and Mul: QuickGelu; gelu_new: FastGelu; Add and LayerNormalization: SkipLayerNorm,
   the same arithmetic). Measured: the default export of Gemma 3 270M on the runtime and this profile's emulation
   give the same logits bit for bit (48 tokens, all 262144 per token), as do tiny Gemma 3, Llama and GPT-2 exports.
+  `split_k` is the export's rewrite (`export onnx --runtime ort-webgpu`); the emulation computes the unsplit graph,
+  the one `export onnx` writes without `--runtime`.
 """
 
 from __future__ import annotations
