@@ -7,10 +7,10 @@ from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from halfsafe.core import arith16
+from halfsafe.core import arith16, arith16_webgpu
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
-from halfsafe.runtime.emulate import attention16, emulate_runtime
+from halfsafe.runtime.emulate import attention16, attention_webgpu16, emulate_runtime
 from halfsafe.runtime.profiles import PROFILES, get_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,10 +18,13 @@ INF = float("inf")
 
 
 def test_profiles_are_data_and_unknown_names_fail():
-    assert set(PROFILES) == {"torch", "fp16-norm-stats", "layernorm-decomposed", "fp16-accumulate", "all-fp16"}
+    assert set(PROFILES) == {"torch", "fp16-norm-stats", "layernorm-decomposed", "fp16-accumulate", "all-fp16", "ort-webgpu"}
     assert get_profile(None).is_torch and get_profile("torch").is_torch
     assert not any(PROFILES[p].is_torch for p in PROFILES if p != "torch")
     assert PROFILES["all-fp16"].matmul_chunk == 32 and PROFILES["all-fp16"].attention_fp16
+    webgpu = PROFILES["ort-webgpu"]
+    assert webgpu.matmul_chunk == 1 and webgpu.attention_fp16 and webgpu.kernels == "ort-webgpu"
+    assert not webgpu.norm_stats_fp16 and all(PROFILES[p].kernels == "generic" for p in PROFILES if p != "ort-webgpu")
     with pytest.raises(HalfsafeError, match="choose one of torch, fp16-norm-stats"):
         get_profile("webgpu")
 
@@ -149,6 +152,59 @@ def test_every_profile_stays_close_on_small_activations(key):
             with emulate_runtime(half, name):
                 err = float((half(input_ids=ids).logits.float() - ref).abs().max())
             assert err < 4 * plain + 1e-3, (name, err, plain)
+
+
+def test_ort_webgpu_patches_linears_attention_gelu_and_norms():
+    """The ort-webgpu profile on a tiny Gemma 3: every linear a float16 running sum, attention, GELU (tanh) and the
+    norms' float32 means as the provider's shaders compute them (tests/test_ort_webgpu_ops.py checks those against
+    the runtime itself)."""
+    from halfsafe.runtime.emulate import calls
+
+    model = make_tiny("gemma3_text")
+    half = cast_copy(model, torch.float16).eval()
+    ids = tiny_ids(model)
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        plain = half(input_ids=ids).logits
+        calls.clear()
+        with emulate_runtime(half, "ort-webgpu"):
+            patched = half(input_ids=ids).logits
+        assert torch.equal(half(input_ids=ids).logits, plain)  # every patch taken off
+    assert dict(calls) == {"linear": 7 * layers + 1, "attention": layers, "activation": layers, "norm": 6 * layers + 1}
+    assert not torch.equal(patched, plain) and torch.isfinite(patched).all()
+    assert half.config._attn_implementation == model.config._attn_implementation
+
+
+def test_attention_webgpu16_scales_q_and_k_by_the_root_and_sums_in_order():
+    torch.manual_seed(0)
+
+    class M:
+        head_dim, num_key_value_groups, training = 8, 1, False
+
+    q, k, v = (torch.randn(1, 2, 5, 8).half() for _ in range(3))
+    mask = torch.triu(torch.full((5, 5), -65504.0), 1)[None, None].half()
+    out, probs = attention_webgpu16(M(), q, k, v, mask, scaling=0.3)
+    root = arith16.scalar16(0.3 ** 0.5)
+    logits = arith16.sequential_matmul16(arith16.r16(q.float() * root), arith16.r16(k.float() * root))
+    want = arith16_webgpu.softmax16(arith16.r16(logits + mask.float()))
+    assert torch.equal(probs.float(), want)
+    assert torch.equal(out.float().transpose(1, 2), arith16.sequential_matmul16(want, v.float().transpose(-1, -2)))
+    assert torch.equal(probs[0, 0, 0, 1:], torch.zeros(4, dtype=torch.float16))  # causal mask held
+
+
+def test_ort_webgpu_layer_norm_is_the_fused_kernel():
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(64).half()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = (torch.randn(8, 64) * 3 + 1).half()
+    with torch.no_grad():
+        plain = norm(x)
+        with emulate_runtime(norm, "ort-webgpu"):
+            got = norm(x)
+    want = arith16_webgpu.layer_norm16(x.float(), norm.weight, norm.bias, norm.eps)
+    assert torch.equal(got.float(), want) and not torch.equal(got, plain)  # four float16 roundings, not one
 
 
 def test_attention16_matches_eager_softmax_attention():

@@ -173,3 +173,32 @@ def placements(model: str | Path, env: dict, device: str = "webgpu", timeout: fl
     if not placed:
         raise RuntimeError(f"no node placements in onnxruntime-node's verbose log:\n{done.stderr[-2000:]}")
     return placed
+
+
+_DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.int64): "int64"}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def run_graphs(runs: list[tuple[Path, dict]], folder: Path, env: dict) -> list[dict[str, np.ndarray]]:
+    """[(model file, {input name: array})] -> [{output name: array}], all run on ONNX Runtime's WebGPU provider by one
+    Node process (clients/js/ort_op.mjs) in `env` (runtime_env)."""
+    jsclient.install()
+    specs = []
+    for i, (model, inputs) in enumerate(runs):
+        case = folder / f"run{i}"
+        case.mkdir(parents=True, exist_ok=True)
+        feeds = {}
+        for name, a in inputs.items():
+            file = case / f"{name}.bin"
+            np.ascontiguousarray(a).tofile(file)
+            feeds[name] = {"file": str(file), "dtype": _DTYPE_NAMES[a.dtype], "dims": list(a.shape)}
+        specs.append({"model": str(model), "inputs": feeds, "out": str(case / "out")})
+    args = json.dumps({"device": "webgpu", "runs": specs})
+    done = subprocess.run(["node", str(jsclient.CLIENTS / "ort_op.mjs"), args], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    outs = []
+    for spec, result in zip(specs, results):
+        outs.append({name: np.fromfile(Path(spec["out"]) / f"{name}.bin", dtype=_DTYPES[o["dtype"]]).reshape(o["dims"])
+                     for name, o in result["outputs"].items()})
+    return outs

@@ -8,13 +8,19 @@
 - nn.LayerNorm (and F.layer_norm called inside a norm): arith16.layer_norm16, decomposed in float16.
 - nn.Linear and GPT-2's Conv1D: arith16.matmul16 (float16 accumulation over runs of `matmul_chunk`), bias in fp16.
 - attention: a registered attention function (eager masks) doing QK^T and PV as the linears do, the scale, softcap,
-  mask and softmax in float16.
+  mask and softmax in float16. Under `kernels="ort-webgpu"`, as the exported graph's decomposed SDPA runs there:
+  q and k each scaled by sqrt(scale), the online softmax of arith16_webgpu.
+- `kernels="ort-webgpu"`: activation modules compute their float16 ops as the exported graph's run there, after
+  ONNX Runtime's own fusions (GraphActivation: GELU (tanh), SiLU as QuickGelu, gelu_new as FastGelu, sigmoid,
+  tanh, pow); norms compute their statistic's mean in ReduceMean's order and nn.LayerNorm as the fused kernel does
+  (GraphNorm).
 
 The `torch` profile patches nothing. Fused MoE experts and embeddings keep PyTorch's arithmetic.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from collections import Counter
 
@@ -23,15 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..core import arith16
+from ..core import arith16, arith16_webgpu
 from ..errors import HalfsafeError
 from .baselines import RuntimeHandle
 from .profiles import RuntimeProfile, get_profile
 
 ATTENTION_NAME = "halfsafe_fp16"
+WEBGPU_ATTENTION_NAME = "halfsafe_ort_webgpu"
 
 
-calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention"): what a run reached
+calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention", "activation"): what a run reached
 
 
 def is_rms_norm(m: nn.Module) -> bool:
@@ -100,6 +107,52 @@ class NormStats16(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class GraphNorm(TorchFunctionMode):
+    """Inside one norm's forward under kernels="ort-webgpu", what the exported graph's norm ops compute there: the
+    mean over the last dim of a square (RMSNorm's statistic) in the square's own dtype as ReduceMean adds it up
+    (float32: arith16_webgpu.mean32; float16: arith16.mean16), F.layer_norm of float16 as the fused
+    LayerNormalization kernel (arith16_webgpu.layer_norm16). The rest as the modeling code computes it (measured on
+    Gemma 3 270M: then the graph's float32 norm outputs are bit for bit these)."""
+
+    def __init__(self, lanes: int) -> None:
+        super().__init__()
+        self.lanes = lanes
+        self.squares: list[torch.Tensor] = []  # held for the norm's forward: a freed tensor's id could name a new one
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is F.layer_norm and args[0].dtype == torch.float16:
+            x, shape = args[0], args[1]
+            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
+            bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
+            eps = kwargs.get("eps", args[4] if len(args) > 4 else 1e-5)
+            if len(shape) != 1:
+                raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
+            calls["layer_norm"] += 1
+            return arith16_webgpu.layer_norm16(x, weight, bias, eps).to(x.dtype)
+        out = func(*args, **kwargs)
+        if (name in ("pow", "__pow__") and len(args) > 1 and args[1] == 2) or name == "square":
+            self.squares.append(out)
+        elif name == "mean" and any(args[0] is sq for sq in self.squares):
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if dim in (-1, x.dim() - 1, [-1], (-1,)) and x.dtype in (torch.float32, torch.float16):
+                keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+                mean = arith16_webgpu.mean32(x) if x.dtype == torch.float32 else arith16.mean16(x.float(), self.lanes)
+                calls["norm"] += 1
+                return (mean.unsqueeze(-1) if keepdim else mean).to(x.dtype)
+        return out
+
+
+def _graph_norm_forward(original, profile: RuntimeProfile):
+    def forward(self, *args, **kwargs):
+        with GraphNorm(profile.lanes):
+            return original(*args, **kwargs)
+
+    return forward
+
+
 def _norm_forward(original, profile: RuntimeProfile, rms: bool):
     def forward(self, *args, **kwargs):
         mode = NormStats16(rms and profile.rms_stats_fp16, profile.layernorm_fp16, profile.lanes)
@@ -159,12 +212,97 @@ def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=
     return out, probs.to(query.dtype)
 
 
-def _register_attention() -> None:
+def attention_webgpu16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                       **kwargs):
+    """Attention as ONNX Runtime WebGPU runs torch.onnx's decomposed SDPA, every step in float16: q and k each times
+    sqrt(scale), QK^T and PV as float16 running sums of rounded products, the mask added, the online softmax
+    (arith16_webgpu). A softcap (eager attention's) is applied as attention16 does, after an unsplit scale."""
+    calls["attention"] += 1
+    if scaling is None:
+        scaling = module.head_dim ** -0.5
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q, k, v = (arith16.r16(t.float()) for t in (query, key, value))
+    if softcap is None:
+        root = arith16.scalar16(math.sqrt(scaling))
+        logits = arith16.sequential_matmul16(arith16.r16(q * root), arith16.r16(k * root))
+    else:
+        cap = arith16.scalar16(softcap)
+        logits = arith16.r16(arith16.sequential_matmul16(q, k) * arith16.scalar16(scaling))
+        logits = arith16.r16(arith16.r16(torch.tanh(arith16.r16(logits / cap))) * cap)
+    if attention_mask is not None:
+        logits = arith16.r16(logits + arith16.r16(attention_mask[..., : key.shape[-2]].float()))
+    probs = arith16_webgpu.softmax16(logits)
+    out = arith16.sequential_matmul16(probs, v.transpose(-1, -2))
+    return out.transpose(1, 2).contiguous().to(query.dtype), probs.to(query.dtype)
+
+
+ATTENTION = {"generic": (ATTENTION_NAME, attention16), "ort-webgpu": (WEBGPU_ATTENTION_NAME, attention_webgpu16)}
+
+
+def _register_attention(kernels: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(ATTENTION_NAME, attention16)
-    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+    name, function = ATTENTION[kernels]
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
+
+
+def is_activation(m: nn.Module) -> bool:
+    """An activation module: transformers' (ACT2FN's classes) or torch's SiLU, GELU, Tanh, Sigmoid."""
+    return isinstance(m, (nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid)) or type(m).__module__ == "transformers.activations"
+
+
+SCALAR_OPS = {"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "div",
+              "__truediv__", "__rtruediv__"}
+
+
+FUSED_ACTIVATIONS = {"NewGELUActivation": arith16_webgpu.gelu_tanh16}  # ONNX Runtime's FastGeluFusion: FastGelu
+
+
+class GraphActivation(TorchFunctionMode):
+    """Inside one activation module's forward under kernels="ort-webgpu", its float16 ops as the exported graph's
+    run there: F.gelu(approximate="tanh") as the Gelu shader, F.silu as QuickGelu (ONNX Runtime fuses the exported
+    Sigmoid and Mul into it), torch.sigmoid, torch.tanh and torch.pow by a constant as arith16_webgpu computes them,
+    and Python numbers float16 constants (the graph stores them so: PyTorch would multiply by the float32 number).
+    F.gelu without approximation (erf) stays PyTorch's: the shader's erf polynomial is not emulated."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.float16):
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func is F.gelu and kwargs.get("approximate", args[1] if len(args) > 1 else "none") == "tanh":
+            return arith16_webgpu.gelu_tanh16(x).to(x.dtype)
+        if func is F.silu:
+            return arith16_webgpu.quick_gelu16(x).to(x.dtype)
+        if name == "sigmoid":
+            return arith16_webgpu.sigmoid16(x).to(x.dtype)
+        if name == "tanh":
+            return arith16_webgpu.tanh16(x).to(x.dtype)
+        if name in ("pow", "__pow__") and len(args) > 1 and isinstance(args[1], (int, float)):
+            return arith16_webgpu.pow16(x, float(args[1])).to(x.dtype)
+        if name in SCALAR_OPS:
+            args = tuple(arith16.scalar16(a) if isinstance(a, float) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _activation_forward(original):
+    def forward(self, *args, **kwargs):
+        calls["activation"] += 1
+        fused = FUSED_ACTIVATIONS.get(type(self).__name__)
+        x = args[0] if args else None
+        if fused is not None and isinstance(x, torch.Tensor) and x.dtype == torch.float16:
+            return fused(x).to(x.dtype)
+        with GraphActivation():
+            return original(*args, **kwargs)
+
+    return forward
 
 
 def _configs(model: nn.Module):
@@ -191,14 +329,20 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
                     continue
                 m.forward = types.MethodType(_norm_forward(type(m).forward.__get__(m), profile, rms), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
+            elif profile.kernels == "ort-webgpu" and (rms or isinstance(m, nn.LayerNorm)):
+                m.forward = types.MethodType(_graph_norm_forward(type(m).forward.__get__(m), profile), m)
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
             elif profile.matmul_chunk and is_linear(m):
                 m.forward = types.MethodType(_linear_forward(profile), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
+            elif profile.kernels == "ort-webgpu" and is_activation(m):
+                m.forward = types.MethodType(_activation_forward(type(m).forward.__get__(m)), m)
+                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
         if profile.attention_fp16:
-            _register_attention()
+            name = _register_attention(profile.kernels)
             for c in _configs(model):
                 before = c._attn_implementation
-                c._attn_implementation = ATTENTION_NAME
+                c._attn_implementation = name
                 handle.add_undo(lambda c=c, before=before: setattr(c, "_attn_implementation", before))
     except BaseException:
         handle.remove()

@@ -22,6 +22,28 @@ breaks under it. The kernels each profile follows, read at the commits named:
   graphs whose norms are *decomposed* into Pow/ReduceMean/Sqrt/Div ops with float16 inputs (an fp16 conversion that
   also turns the graph's own float32 casts into float16), and on-device engines whose RMSNorm kernels sum squares
   in float16; not ORT WebGPU's fused norm op.
+- `ort-webgpu`: ONNX Runtime's WebGPU provider as onnxruntime-node 1.30.0 ships it (its build info: git-commit-id
+  f2c39fe2f), the shaders it generates dumped from that binary (session log level verbose prints each one), run on
+  Mesa 25.0.7's lavapipe. The generators, read at microsoft/onnxruntime's stored commits: `math/matmul.cc`
+  (0099edd): `MatMul::ComputeInternal` runs `MatMulNaiveProgram` when N < 8 and K < 8, else `CreateMatMulProgram`:
+  vec4 when K and N are multiples of 4, 4x1 or 4x4 outputs per thread (M <= 8 or not), split-K on four Intel
+  architectures only; `math/matmul_packed.cc` (e0432f8), `MakeMatMulPackedVec4Source` / `MakeMatMulPackedSource`:
+  tiles of 32 k, and per output one float16 accumulator `var acc: array<vec4<a_element_t>, ...>` taking
+  `acc[i] = BCached0 * ACached.x + acc[i]` for k = 0, 1, ... in order (the naive program: `fma(a, b, values[i])`,
+  the same order). Lavapipe rounds the product and the sum each to float16, `fma()` included (measured: no fused
+  rounding, subnormals kept): a plain float16 running sum of rounded products, `matmul_chunk=1`, on every path.
+  `math/softmax.cc` in the binary is an online softmax (the stored 04488b7 is the older two-pass one; the dumped
+  shader is what arith16_webgpu.softmax16 follows), and `Gelu[tanh]` computes tanh from `exp` in float16; WGSL `exp`
+  of float16 is exp2 of a float16 product on lavapipe (arith16_webgpu). `nn/layer_norm.cc`'s fused
+  LayerNormalization: float32 sums, then `(x - mean) * inv_std * scale + bias` in float16; `reduction_ops.cc`'s
+  ReduceMean of float32 (the RMSNorm statistic of Gemma and Llama, which cast to float32): 64 strided lanes, then
+  a halving tree. The exported graphs hold what remains: attention as torch.onnx decomposes SDPA (q and k each
+  scaled by sqrt(scale) in float16, MatMul, Add mask, Softmax, MatMul), and what ONNX Runtime's optimizer fuses
+  them into (SiLU's Sigmoid and Mul: QuickGelu; gelu_new: FastGelu; Add and LayerNormalization: SkipLayerNorm,
+  the same arithmetic). Measured: the default export of Gemma 3 270M on the runtime and this profile's emulation
+  give the same logits bit for bit (48 tokens, all 262144 per token), as do tiny Gemma 3, Llama and GPT-2 exports.
+  `split_k` is the export's rewrite (`export onnx --runtime ort-webgpu`); the emulation computes the unsplit graph,
+  the one `export onnx` writes without `--runtime`.
 """
 
 from __future__ import annotations
@@ -40,11 +62,13 @@ class RuntimeProfile:
     rms_stats_fp16: bool = False  # RMSNorm-type norms: x^2, its mean, + eps and rsqrt in float16
     layernorm_fp16: bool = False  # LayerNorm: ReduceMean, Sub, Pow, ReduceMean, Add, Sqrt, Div, Mul, Add in float16
     matmul_chunk: int | None = None  # linear layers: dot products of runs of this many k rounded to fp16, summed in fp16
+    # (1: each product rounded, then added: a plain float16 running sum)
     attention_fp16: bool = False  # QK^T (accumulated as the linears), scale, mask, softmax and PV in float16
     lanes: int = 64  # float16 reductions: this many strided running sums, then a pairwise tree (reduction_ops.cc)
     # `export onnx --runtime P`: split-K of the graph's products (linears, head, attention QK^T) into this many groups
     # (halfsafe.export.onnx_split_k), for runtimes whose MatMul keeps one float16 running sum over K
     split_k: tuple[int, int, int] = (1, 1, 1)
+    kernels: str = "generic"  # "ort-webgpu": softmax, GELU (tanh), norms and attention's scaling as arith16_webgpu
 
     @property
     def is_torch(self) -> bool:
@@ -66,7 +90,8 @@ class RuntimeProfile:
     def to_dict(self) -> dict:
         return {"name": self.name, "summary": self.summary, "rms_stats_fp16": self.rms_stats_fp16,
                 "layernorm_fp16": self.layernorm_fp16, "matmul_chunk": self.matmul_chunk,
-                "attention_fp16": self.attention_fp16, "lanes": self.lanes, "split_k": list(self.split_k)}
+                "attention_fp16": self.attention_fp16, "lanes": self.lanes, "split_k": list(self.split_k),
+                "kernels": self.kernels}
 
 
 PROFILES = {p.name: p for p in (
@@ -79,9 +104,10 @@ PROFILES = {p.name: p for p in (
                    "(ONNX Runtime WebGPU MatMulNBits)", matmul_chunk=32),
     RuntimeProfile("all-fp16", "fp16-norm-stats and fp16-accumulate, plus attention logits, softmax and PV in float16",
                    rms_stats_fp16=True, layernorm_fp16=True, matmul_chunk=32, attention_fp16=True),
-    RuntimeProfile("ort-webgpu", "ONNX Runtime's WebGPU provider (transformers.js device 'webgpu'): float16 MatMuls "
-                   "keep one float16 running sum over K; the export splits K (linears, head, QK^T) into groups added "
-                   "pairwise", split_k=(16, 16, 1)),
+    RuntimeProfile("ort-webgpu", "ONNX Runtime's WebGPU provider (transformers.js device 'webgpu', onnxruntime-node "
+                   "1.30, measured on lavapipe): MatMul a float16 running sum of rounded products; attention, softmax, "
+                   "GELU and norms as its shaders compute them. The export splits K (linears, head, QK^T) into groups "
+                   "added pairwise", matmul_chunk=1, attention_fp16=True, kernels="ort-webgpu", split_k=(16, 16, 1)),
 )}
 
 
