@@ -1,7 +1,7 @@
 """A whole exported model on ONNX Runtime's WebGPU provider (lavapipe, real float16) against the `ort-webgpu`
 profile's emulation of it: a tiny Gemma 3 (GELU tanh, float32 RMSNorm statistics, q/k norms) and a tiny Llama
-(SiLU, which ONNX Runtime fuses into QuickGelu), exported plainly (`halfsafe export onnx`), one forward over 12
-tokens. The emulated logits are the runtime's bit for bit; those of the older profiles (all-fp16: float16 runs of
+(SiLU, which ONNX Runtime fuses into QuickGelu), exported plainly (`halfsafe export onnx`), and the Gemma 3 also
+with the profile's split-K (`--runtime ort-webgpu`), one forward over 12 tokens. The emulated logits are the runtime's bit for bit; those of the older profiles (all-fp16: float16 runs of
 32) are not. Measured the same way on the real Gemma 3 270M (48 tokens, every one of the 262144 logits per token
 equal) and on a tiny GPT-2 (LayerNormalization, Gemm, FastGelu). Measured 29 s (Gemma 3) and 16 s (Llama), most
 of it the export. (At hidden size 64 PyTorch's float32 mean happens to give the runtime's ReduceMean here; on
@@ -9,6 +9,8 @@ Gemma 3 270M it does not, and tests/test_ort_webgpu_ops.py holds the lane order 
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime  # noqa: E402
+from halfsafe.runtime.profiles import get_profile  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,11 +48,16 @@ def _feeds(graph, ids: np.ndarray) -> dict[str, np.ndarray]:
     return feeds
 
 
-@pytest.mark.parametrize("key", ["gemma3_text", "llama"])
-def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key):
+@pytest.mark.parametrize("key, runtime", [("gemma3_text", None), ("gemma3_text", "ort-webgpu"), ("llama", None)])
+def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key, runtime):
+    """The plain export against the profile without its split-K; `export onnx --runtime ort-webgpu` (K of every
+    linear and of the head in 16 groups: 4 products each at hidden size 64) against the profile itself."""
     model = make_tiny(key)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
-    export_onnx(tmp_path / "model", tmp_path / "onnx")
+    export_onnx(tmp_path / "model", tmp_path / "onnx", runtime=runtime)
+    profile = get_profile("ort-webgpu")
+    if runtime is None:
+        profile = replace(profile, split_k=(1, 1, 1))
     path = tmp_path / "onnx" / ONNX_FILE
     ids = (np.array([[2, 17, 99, 5, 77, 31, 8, 120, 3, 44, 61, 12]]) % model.config.vocab_size).astype(np.int64)
     feeds = _feeds(onnx.load(str(path)).graph, ids)
@@ -57,7 +65,7 @@ def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key):
 
     half = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float16).eval()
     with torch.no_grad():
-        with emulate_runtime(half, "ort-webgpu"):
+        with emulate_runtime(half, profile):
             emulated = half(input_ids=torch.from_numpy(ids)).logits.float()
         with emulate_runtime(half, "all-fp16"):
             chunked = half(input_ids=torch.from_numpy(ids)).logits.float()

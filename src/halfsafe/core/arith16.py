@@ -148,6 +148,28 @@ def matmul16(x: torch.Tensor, w: torch.Tensor, chunk: int, rows: int = 4096) -> 
     return out.reshape(*lead, w.shape[0])
 
 
+def split_groups(k: int, asked: int) -> int:
+    """How many groups a split-K graph rewrite cuts a K into: the largest power of two <= `asked` dividing k."""
+    g = 1
+    while g * 2 <= asked and k % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def split_matmul16(x: torch.Tensor, w: torch.Tensor, chunk: int, groups: int, halves: bool = True) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T with K cut into `groups` consecutive runs, each product a matmul16, the partials then
+    added pairwise in float16, as halfsafe.export.onnx_split_k writes the graph: `halves` (partial i + partial
+    i + G/2, then again: a batched MatMul's Split and Add) or neighbours (0 + 1, 2 + 3, ...: the sliced head)."""
+    k = x.shape[-1]
+    bounds = [k * g // groups for g in range(groups + 1)]
+    parts = [matmul16(x[..., a:b], w[:, a:b], chunk) for a, b in zip(bounds, bounds[1:])]
+    while len(parts) > 1:
+        h = len(parts) // 2
+        pairs = zip(parts[:h], parts[h:]) if halves else zip(parts[0::2], parts[1::2])
+        parts = [r16(a + b) for a, b in pairs]
+    return parts[0]
+
+
 def softmax16(x: torch.Tensor, lanes: int = 64) -> torch.Tensor:
     """Softmax over the last dim in float16: max, Sub, Exp, ReduceSum, Div, each rounded to float16."""
     x = r16(x.float())

@@ -6,7 +6,8 @@
   (the `x * rsqrt`, the gain, its `1 + w`) stays as the modeling code computes it. A norm whose forward ran without
   such a mean is an error: its statistic would silently not be emulated.
 - nn.LayerNorm (and F.layer_norm called inside a norm): arith16.layer_norm16, decomposed in float16.
-- nn.Linear and GPT-2's Conv1D: arith16.matmul16 (float16 accumulation over runs of `matmul_chunk`), bias in fp16.
+- nn.Linear and GPT-2's Conv1D: arith16.matmul16 (float16 accumulation over runs of `matmul_chunk`), bias in fp16;
+  under a profile's `split_k`, an nn.Linear's K (the head's too) cut into groups as the export cuts it.
 - attention: a registered attention function (eager masks) doing QK^T and PV as the linears do, the scale, softcap,
   mask and softmax in float16. Under `kernels="ort-webgpu"`, as the exported graph's decomposed SDPA runs there:
   q and k each scaled by sqrt(scale), the online softmax of arith16_webgpu.
@@ -166,8 +167,15 @@ def _norm_forward(original, profile: RuntimeProfile, rms: bool):
     return forward
 
 
-def _linear_forward(profile: RuntimeProfile):
+def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True):
+    """`split` > 1: K cut into groups as `export onnx --runtime P` writes the product (arith16.split_matmul16)."""
     from ..engine.wide import WideWeight
+
+    def product(x, w):
+        groups = arith16.split_groups(w.shape[1], split)
+        if groups > 1:
+            return arith16.split_matmul16(x, w, profile.matmul_chunk, groups, halves)
+        return arith16.matmul16(x, w, profile.matmul_chunk)
 
     def forward(self, x):
         calls["linear"] += 1
@@ -176,10 +184,9 @@ def _linear_forward(profile: RuntimeProfile):
             w = w.t()
         if isinstance(w, WideWeight):  # a streamed matrix too big to hold: its output rows a chunk at a time
             step = w.chunk_rows()
-            y = torch.cat([arith16.matmul16(x, w.rows(s, min(s + step, w.shape[0])), profile.matmul_chunk)
-                           for s in range(0, w.shape[0], step)], dim=-1)
+            y = torch.cat([product(x, w.rows(s, min(s + step, w.shape[0]))) for s in range(0, w.shape[0], step)], dim=-1)
         else:
-            y = arith16.matmul16(x, w, profile.matmul_chunk)
+            y = product(x, w)
         if self.bias is not None:
             y = arith16.r16(y + arith16.r16(self.bias.float()))
         return y.to(x.dtype)
@@ -321,6 +328,8 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
     handle = RuntimeHandle()
     if profile.is_torch:
         return handle
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linear_split, head_split, _ = profile.split_k
     try:
         for m in model.modules():
             rms = is_rms_norm(m)
@@ -333,7 +342,10 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
                 m.forward = types.MethodType(_graph_norm_forward(type(m).forward.__get__(m), profile), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
             elif profile.matmul_chunk and is_linear(m):
-                m.forward = types.MethodType(_linear_forward(profile), m)
+                # the export splits the K of MatMuls with a weight (not GPT-2's Conv1D, a Gemm); the head's partials
+                # are added as neighbours, the others' as halves (halfsafe.export.onnx_split_k)
+                split = head_split if m is head else linear_split if isinstance(m, nn.Linear) else 1
+                m.forward = types.MethodType(_linear_forward(profile, split, halves=m is not head), m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
             elif profile.kernels == "ort-webgpu" and is_activation(m):
                 m.forward = types.MethodType(_activation_forward(type(m).forward.__get__(m)), m)
