@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.arith16 import split_groups
+
 PREFIX = "halfsafe_splitk"
 KINDS = ("linear", "head", "attention")
 
@@ -39,12 +41,8 @@ class SplitReport:
         return {"groups": dict(self.groups), "split": dict(self.split)}
 
 
-def groups_for(k: int, asked: int) -> int:
-    """The largest power of two <= `asked` that divides `k` (1: no split)."""
-    g = 1
-    while g * 2 <= asked and k % (g * 2) == 0:
-        g *= 2
-    return g
+# the largest power of two <= asked dividing k (1: no split): one rule for the graph and its emulation
+groups_for = split_groups
 
 
 def _static_dim(shape, i: int) -> int | None:
