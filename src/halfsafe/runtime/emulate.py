@@ -42,6 +42,17 @@ WEBGPU_ATTENTION_NAME = "halfsafe_ort_webgpu"
 calls: Counter = Counter()  # emulated calls by kind ("norm", "layer_norm", "linear", "attention", "activation"): what a run reached
 
 
+def _layer_norm_args(args, kwargs) -> tuple:
+    """F.layer_norm's (x, weight, bias, eps), as called; one counted emulated call. The float16 emulation covers the
+    last dim only."""
+    shape = args[1]
+    if len(shape) != 1:
+        raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
+    calls["layer_norm"] += 1
+    return (args[0], kwargs.get("weight", args[2] if len(args) > 2 else None),
+            kwargs.get("bias", args[3] if len(args) > 3 else None), kwargs.get("eps", args[4] if len(args) > 4 else 1e-5))
+
+
 def is_rms_norm(m: nn.Module) -> bool:
     """RMSNorm-type: a class named ...RMSNorm, or T5's (T5, MT5, LongT5, UMT5 ...LayerNorm, an RMSNorm)."""
     name = type(m).__name__
@@ -75,13 +86,7 @@ class NormStats16(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if self.layernorm and func is F.layer_norm:
             self.layer_norms += 1
-            x, shape = args[0], args[1]
-            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
-            bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
-            eps = kwargs.get("eps", args[4] if len(args) > 4 else 1e-5)
-            if len(shape) != 1:
-                raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
-            calls["layer_norm"] += 1
+            x, weight, bias, eps = _layer_norm_args(args, kwargs)
             return arith16.layer_norm16(x, weight, bias, eps, self.lanes).to(x.dtype)
         if not self.rms:
             return func(*args, **kwargs)
@@ -124,13 +129,7 @@ class GraphNorm(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if func is F.layer_norm and args[0].dtype == torch.float16:
-            x, shape = args[0], args[1]
-            weight = kwargs.get("weight", args[2] if len(args) > 2 else None)
-            bias = kwargs.get("bias", args[3] if len(args) > 3 else None)
-            eps = kwargs.get("eps", args[4] if len(args) > 4 else 1e-5)
-            if len(shape) != 1:
-                raise HalfsafeError(f"layer_norm over {len(shape)} dims: the float16 emulation covers the last dim only")
-            calls["layer_norm"] += 1
+            x, weight, bias, eps = _layer_norm_args(args, kwargs)
             return arith16_webgpu.layer_norm16(x, weight, bias, eps).to(x.dtype)
         out = func(*args, **kwargs)
         if (name in ("pow", "__pow__") and len(args) > 1 and args[1] == 2) or name == "square":
