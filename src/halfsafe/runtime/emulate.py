@@ -193,9 +193,9 @@ def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True
     return forward
 
 
-def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, lanes=64,
-                chunk=32, **kwargs):
-    """Eager attention (as transformers' eager_attention_forward), every step in float16."""
+def _attention_inputs(module, key, value, scaling):
+    """One counted emulated attention call: its scale (the module's 1/sqrt(head_dim) when not given) and key and
+    value repeated for each query head of their group (grouped-query attention)."""
     calls["attention"] += 1
     if scaling is None:
         scaling = module.head_dim ** -0.5
@@ -203,6 +203,13 @@ def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    return scaling, key, value
+
+
+def attention16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, lanes=64,
+                chunk=32, **kwargs):
+    """Eager attention (as transformers' eager_attention_forward), every step in float16."""
+    scaling, key, value = _attention_inputs(module, key, value, scaling)
     b, h, q, d = query.shape
     qf, kf, vf = (arith16.r16(t.float()) for t in (query, key, value))
     logits = torch.stack([arith16.matmul16(qf[i, j], kf[i, j], chunk) for i in range(b) for j in range(h)])
@@ -223,13 +230,7 @@ def attention_webgpu16(module, query, key, value, attention_mask, dropout=0.0, s
     """Attention as ONNX Runtime WebGPU runs torch.onnx's decomposed SDPA, every step in float16: q and k each times
     sqrt(scale), QK^T and PV as float16 running sums of rounded products, the mask added, the online softmax
     (arith16_webgpu). A softcap (eager attention's) is applied as attention16 does, after an unsplit scale."""
-    calls["attention"] += 1
-    if scaling is None:
-        scaling = module.head_dim ** -0.5
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    scaling, key, value = _attention_inputs(module, key, value, scaling)
     q, k, v = (arith16.r16(t.float()) for t in (query, key, value))
     if softcap is None:
         root = arith16.scalar16(math.sqrt(scaling))
