@@ -25,7 +25,7 @@ def no_progress_lines(monkeypatch):
 def one_thread():
     """For a module of tiny models: `pytestmark = pytest.mark.usefixtures("one_thread")` (one torch thread is
     several times faster than two on a shared CPU: bart's probe 17 s vs 2.7 s)."""
-    from halfsafe.core.shrink import one_thread as single
+    from halfsafe.core.threads import one_thread as single
 
     with single():
         yield

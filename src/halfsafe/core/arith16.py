@@ -10,9 +10,9 @@ rsqrt and exp are not correctly rounded on any GPU either; here they are float32
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
+
+from .threads import one_thread
 
 FP16 = torch.float16
 
@@ -112,7 +112,7 @@ def sequential_matmul16(x: torch.Tensor, w: torch.Tensor, block: int = 8192) -> 
     lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
     out = torch.empty(*lead, a.shape[-2], b.shape[-1], dtype=torch.float32, device=x.device)
-    with _one_thread():
+    with one_thread():
         for start in range(0, b.shape[-1], block):
             part = b[..., start:start + block].contiguous()
             acc = torch.zeros(*lead, a.shape[-2], part.shape[-1], dtype=FP16, device=x.device)
@@ -122,16 +122,6 @@ def sequential_matmul16(x: torch.Tensor, w: torch.Tensor, block: int = 8192) -> 
                 acc.add_(product)
             out[..., start:start + block] = acc.float()
     return out
-
-
-@contextmanager
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def matmul16(x: torch.Tensor, w: torch.Tensor, chunk: int, rows: int = 4096) -> torch.Tensor:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -34,6 +33,7 @@ from .groups import Group, expand
 from .probe import probe
 from .sites import Site, block_of, find_blocks
 from .stats import is_fused_experts
+from .threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -430,15 +430,3 @@ def probe_governed(model: PreTrainedModel, family: Family, groups: list[Group], 
     except UnsupportedModelError as e:
         log.warning("%s; probing the model itself", e)
         return probe(model, family, groups, ids)
-
-
-@contextmanager
-def one_thread():
-    """torch on one thread for the duration: tiny ops (a shrunk model, tiny test models) only wait on each other
-    across threads on a busy CPU (6x slower measured with two)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
