@@ -6,7 +6,9 @@ Every tiny family (tests/tiny) is made to overflow float16 in its activations (t
 a README.md of its own (the card is appended to it) and a nudged copy (a "fine-tune" of it). Each version then, in a
 process of its own (two versions of one package cannot share a process), runs on every model:
 `halfsafe convert` (streamed), `convert --whole`, `halfsafe apply` of the converted folder's plan to the nudged copy,
-and, on a few families, `halfsafe finetune` (a few steps, saved unconverged: the fine-tune card section is written).
+and, on a few families, `halfsafe finetune` (a few steps, saved unconverged: the fine-tune card section is written),
+`convert --runtime` under two runtime profiles (all-fp16, ort-webgpu), `convert --to onnx`, `export onnx` of the
+converted folder and `export onnx --runtime ort-webgpu` (the graph's split products and prescaled norms).
 Every file each version wrote is compared byte for byte; a command that fails on one side and not the other is a
 difference too.
 
@@ -34,6 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
 FINETUNE_FAMILIES = ("llama", "gemma3_text")  # training is slow: a decoder with plain and with (1+w) norm gains
 FINETUNE = ["finetune", *ARGS, "--steps", "2", "--threshold", "64", "--save-unconverged"]
+# --runtime and ONNX: a decoder with plain and with (1+w) norm gains, an encoder and an encoder-decoder (an export
+# takes ~10 s a family; a family the exporter refuses is compared by its exit status)
+RUNTIME_FAMILIES = ("llama", "gemma3_text", "gpt2", "t5")
+ONNX_FAMILIES = ("llama", "gemma3_text", "bert", "t5")
 
 
 def build_models(folder: Path, keys: list[str]) -> list[str]:
@@ -77,6 +83,14 @@ def jobs(models: Path, out: Path, keys: list[str]) -> list[tuple[str, list[str]]
                  (f"{key}/apply", ["apply", str(out / key / "convert"), str(nudged), str(out / key / "apply"), *ARGS])]
         if key in FINETUNE_FAMILIES:
             todo.append((f"{key}/finetune", [FINETUNE[0], str(base), str(out / key / "finetune"), *FINETUNE[1:]]))
+        if key in RUNTIME_FAMILIES:
+            todo += [(f"{key}/convert-runtime-{r}", ["convert", str(base), str(out / key / f"convert-runtime-{r}"), *ARGS,
+                                                     "--runtime", r]) for r in ("all-fp16", "ort-webgpu")]
+        if key in ONNX_FAMILIES:
+            todo += [(f"{key}/convert-to-onnx", ["convert", str(base), str(out / key / "convert-to-onnx"), *ARGS, "--to", "onnx"]),
+                     (f"{key}/export-onnx", ["export", "onnx", str(out / key / "convert"), str(out / key / "export-onnx")]),
+                     (f"{key}/export-onnx-runtime", ["export", "onnx", str(out / key / "convert"),
+                                                     str(out / key / "export-onnx-runtime"), "--runtime", "ort-webgpu"])]
     return todo
 
 
