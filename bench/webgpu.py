@@ -17,8 +17,10 @@ the shaders). Beside them, PyTorch bf16 of the original on CPU, and the default 
 provider (which computes float16 MatMuls in float32).
 
 Exports and measured rows are kept in WORK across runs (`--variants` measures only those named; `--redo` measures
-them again). Writes bench/results/webgpu.{md,json}.
-Command: `python bench/webgpu.py [--variants default,splitk-L16-H16-A1 ...]`.
+them again). `--rounds N` also times the named exports against each other: loaded in one process, then N rounds of
+one forward each, in turn (clients/js/time_pair.mjs), so that a busy spell on a shared machine slows all alike; the
+ratio to the default is taken round by round. Writes bench/results/webgpu.{md,json}.
+Command: `python bench/webgpu.py [--variants default,splitk-L16-H16-A1 ...] [--rounds 5]`.
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ def main() -> int:
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--forwards", type=int, default=3)
     ap.add_argument("--redo", action="store_true", help="measure the named variants again")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time the named variants against each other: ROUNDS rounds of one forward each, in turn, "
+                         "in one process (clients/js/time_pair.mjs), so that other work on the machine slows all alike")
     args = ap.parse_args()
     if webgpu.adapter_missing():
         sys.exit(webgpu.adapter_missing())
@@ -187,11 +192,43 @@ def main() -> int:
         log(f"  {({k: v for k, v in rows[key].items() if k != 'export'})}")
         stored.write_text(json.dumps(rows, indent=1))
     stored.write_text(json.dumps(rows, indent=1))
-    write_results(rows, ids, args)
+    timed = work / f"timing-{args.tokens}.json"
+    timing = json.loads(timed.read_text()) if timed.is_file() else None
+    if args.rounds:
+        timing = time_in_turn(folders, ids, args.rounds)
+        timed.write_text(json.dumps(timing, indent=1))
+    write_results(rows, ids, args, timing)
     return 0
 
 
-def write_results(rows: dict, ids: torch.Tensor, args) -> None:
+def time_in_turn(folders: dict[str, Path], ids: torch.Tensor, rounds: int) -> dict:
+    """Each export's forward time over `ids` on WebGPU, the exports run in turn for `rounds` rounds in one process."""
+    log(f"timing {', '.join(folders)} in turn, {rounds} rounds")
+    args = {"folders": [str(f) for f in folders.values()], "lib": "tjs4", "ids": ids[0].tolist(), "rounds": rounds,
+            "device": "webgpu"}
+    done = subprocess.run(["node", str(jsclient.CLIENTS / "time_pair.mjs"), json.dumps(args)], cwd=jsclient.CLIENTS,
+                          capture_output=True, text=True, timeout=7200, env=webgpu.runtime_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"time_pair.mjs failed:\n{done.stderr[-4000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"rounds": rounds, "load": os.getloadavg(),
+            "forward_s": {name: got["forward_s"][str(f)] for name, f in folders.items()}}
+
+
+def timing_lines(timing: dict) -> list[str]:
+    """The forward times measured in turn: median per export, and the median of each round's ratio to the default."""
+    times = timing["forward_s"]
+    base = times.get("default")
+    lines = ["", f"Forward time over the same tokens, the exports run in turn in one process ({timing['rounds']} rounds, "
+             "each export once per round; median seconds, and the median of each round's time over the default's):", "",
+             "| variant | forward (s), median | vs default, per round (median) | rounds (s) |", "|---|---:|---:|---|"]
+    for name, t in times.items():
+        rel = f"{np.median([a / b for a, b in zip(t, base)]):.2f}x" if base else ""
+        lines.append(f"| {name} | {np.median(t):.2f} | {rel} | {', '.join(f'{x:.1f}' for x in t)} |")
+    return lines
+
+
+def write_results(rows: dict, ids: torch.Tensor, args, timing: dict | None = None) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     ort = json.loads((ROOT / "clients" / "js" / "node_modules" / "tjs4" / "node_modules" / "onnxruntime-node" /
                       "package.json").read_text())["version"]
@@ -214,9 +251,12 @@ def write_results(rows: dict, ids: torch.Tensor, args) -> None:
     for name, r in rows.items():
         rel = f"{r['forward_s'] / base:.2f}x" if base and r.get("device", "").startswith("WebGPU") else ""
         lines.append(fmt(name.removesuffix(" @ webgpu"), r, args.greedy) + f" {rel} |")
+    if timing:
+        lines += timing_lines(timing)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "webgpu.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "webgpu.json").write_text(json.dumps({"commit": commit, "tokens": int(ids.shape[1]), "rows": rows},
+    (RESULTS / "webgpu.json").write_text(json.dumps({"commit": commit, "tokens": int(ids.shape[1]), "rows": rows,
+                                                     "timing": timing},
                                                     indent=1) + "\n")
     print("\n".join(lines))
 
