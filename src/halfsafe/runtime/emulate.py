@@ -31,6 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..core import arith16, arith16_webgpu
+from ..engine.wide import WideWeight
 from ..errors import HalfsafeError
 from .baselines import RuntimeHandle
 from .profiles import RuntimeProfile, get_profile
@@ -168,8 +169,6 @@ def _norm_forward(original, profile: RuntimeProfile, rms: bool):
 
 def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True):
     """`split` > 1: K cut into groups as `export onnx --runtime P` writes the product (arith16.split_matmul16)."""
-    from ..engine.wide import WideWeight
-
     def product(x, w):
         groups = arith16.split_groups(w.shape[1], split)
         if groups > 1:

@@ -22,6 +22,7 @@ from ..core import arith16
 from ..core.formats import FP16_MAX
 from ..core.sites import Hooks, headroom_bits
 from ..core.stats import first_tensor
+from ..engine.wide import WideWeight
 from .emulate import is_linear, is_rms_norm
 from .profiles import RuntimeProfile, get_profile
 
@@ -95,8 +96,6 @@ class LinearStats:
         return headroom_bits(self.partial_max)
 
     def update(self, x: torch.Tensor, weight: torch.Tensor) -> None:
-        from ..engine.wide import WideWeight
-
         self.calls += 1
         if self.calls > PARTIAL_CALLS:
             return
