@@ -20,10 +20,11 @@ from torch import nn
 
 from ..core import arith16
 from ..core.formats import FP16_MAX
+from ..core.linears import is_linear, out_in_weight
 from ..core.sites import Hooks, headroom_bits
 from ..core.stats import first_tensor
 from ..engine.wide import WideWeight
-from .emulate import is_linear, is_rms_norm
+from .emulate import is_rms_norm
 from .profiles import RuntimeProfile, get_profile
 
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
@@ -204,5 +205,4 @@ def _linear_input(stats: LinearStats, module: nn.Module, args) -> None:
     x = first_tensor(args)
     if x is None or not x.numel():
         return
-    w = module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
-    stats.update(x, w)
+    stats.update(x, out_in_weight(module))
