@@ -23,10 +23,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny import TINY, make_tiny, tiny_ids  # noqa: E402
 
 from halfsafe.core.forward import logits  # noqa: E402
+from halfsafe.core.linears import is_linear  # noqa: E402
 from halfsafe.engine.precision import cast_copy  # noqa: E402
 from halfsafe.errors import HalfsafeError  # noqa: E402
 from halfsafe.runtime import emulate  # noqa: E402
-from halfsafe.runtime.emulate import emulate_runtime, is_linear, is_rms_norm  # noqa: E402
+from halfsafe.runtime.emulate import emulate_runtime, is_rms_norm  # noqa: E402
 
 
 def counts(model: nn.Module) -> dict:

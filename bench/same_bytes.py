@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if (work / side).exists():
             raise SystemExit(f"{work / side} exists: give --keep an empty or new folder")
     base = base_source(args.base, work)
-    sys.path[:0] = [str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]  # tests/tiny imports this checkout's halfsafe, as build_models does
     from tiny import TINY
 
     keys = build_models(work / "models", args.families or sorted(TINY))

@@ -410,7 +410,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(halfsafe.io.checkpoint, "output_bytes", lambda m: 12345 if m is loaded.model else -1)
     monkeypatch.setattr(halfsafe.io.checkpoint, "save_fp16_checkpoint", record("save"))
     monkeypatch.setattr(halfsafe.io.loading, "load_model", record("load", loaded))
-    monkeypatch.setattr(halfsafe.calibration, "long_sample_ids", record("long", "LONG"))
+    monkeypatch.setattr(convert, "long_sample_ids", record("long", "LONG"))
     monkeypatch.setattr(halfsafe.calibration, "make_samples", record("samples", lambda: [sample]))  # cut in halfsafe.job
     monkeypatch.setattr(convert, "make_fp16_safe", record("make", report))
     monkeypatch.setattr(convert, "apply_measured_", record("apply", list))

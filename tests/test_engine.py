@@ -20,11 +20,7 @@ from halfsafe.families import family_for
 from halfsafe.io.checkpoint import save_fp16_checkpoint
 from halfsafe.io.loading import load_model
 from tests.same_run import assert_same_run
-from tests.tiny import TINY, random_exponents, save_tiny, tiny_ids
-
-# transformers stores these experts one tensor each and merges them on load: the engine loads them whole (renamed
-# layouts, such as GPT-NeoX's embed_out or Gemma 3's language_model.*, stream)
-LOADED_WHOLE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
+from tests.tiny import TINY, loaded_whole, random_exponents, save_tiny, tiny_ids
 
 
 def _pair(key: str, folder: Path):
@@ -47,9 +43,17 @@ def pair(request, tmp_path_factory):
     return key, whole, streamed
 
 
+def test_the_families_loaded_whole_are_those_whose_data_moves_experts_one_by_one():
+    """transformers saves these mixture-of-experts models' fused expert tensors one tensor per expert and merges them
+    on load, so the engine loads them whole (renamed layouts, GPT-NeoX's embed_out or Gemma 3's language_model.*,
+    stream); their family data has per-expert groups. A transformers that saves one differently shows here."""
+    per_expert = {k for k, config in TINY.items() if any(g.per_expert for g in family_for(config().model_type).groups)}
+    assert loaded_whole() == per_expert and len(TINY) - len(per_expert) > 30
+
+
 def test_streams_every_family_whose_checkpoint_maps_one_to_one(pair):
     key, whole, streamed = pair
-    assert (streamed_of(streamed) is None) == (key in LOADED_WHOLE), "stream layout decision changed"
+    assert (streamed_of(streamed) is None) == (key in loaded_whole()), "loading and engine.streamed.loads_whole disagree"
     if streamed_of(streamed) is not None:
         assert all(p.device.type == "meta" for p in streamed.parameters()), "a streamed model holds no weights at rest"
 

@@ -1,11 +1,14 @@
 """The package's layout, read from the source with `ast` (every import counts, at module level or inside a function):
 core imports nothing from engine (a model's weights are reached through core.weights), nothing outside the engine
-asks for the streamed model itself, and no two modules import each other, directly or round a loop."""
+asks for the streamed model itself, no two modules import each other, directly or round a loop, and no two folders
+either: the package is floors, each importing only the ones below it."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "halfsafe"  # read, not imported
 
@@ -123,6 +126,55 @@ def test_no_import_cycles():
     assert not gone, f"no longer a cycle, take it out of KNOWN_CYCLES: {gone}"
 
 
+def _floor(module: str) -> str:
+    """The folder a module lives in ("halfsafe.io.trust" -> "io"); a top-level module is a floor of its own
+    ("halfsafe.errors" -> "errors"), the package's __init__ too ("halfsafe")."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _floor_edges() -> dict[tuple[str, str], list[str]]:
+    """(floor, floor it imports) -> where: "file:line imports module" for every import that crosses floors."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for m in MODULES:
+        for target, names, line in _imports(m):
+            for d in _halfsafe_modules(target, names):
+                if _floor(m) != _floor(d):
+                    out.setdefault((_floor(m), _floor(d)), []).append(f"{MODULES[m][0].relative_to(PACKAGE.parent)}:{line} imports {d}")
+    return out
+
+
+def test_no_import_cycles_between_folders():
+    """core, engine, io, runtime, verify, export, training, families, calibration and the top-level modules: no
+    floor imports one that imports it back, directly or round a loop. A loop of folders is a layer whose name says
+    it is below another while it reaches up into it (each module alone may still be acyclic)."""
+    edges = _floor_edges()
+    graph: dict[str, set[str]] = {_floor(m): set() for m in MODULES}
+    for a, b in edges:
+        graph[a].add(b)
+    assert {"core", "engine", "io", "runtime", "verify", "export", "training", "families", "calibration", "cli"} <= set(graph)
+    cycles = _cycles(graph)
+    where = [w for c in cycles for (a, b), ws in edges.items() if a in c and b in c for w in ws]
+    assert not cycles, f"folder cycles {cycles}: " + "; ".join(where)
+
+
+# Directions that say what a floor is for; the lower one never imports the upper, at module level or in a function.
+ONE_WAY = [
+    ("io", "engine", "io loads and writes models through the engine (shards, the streamed model, save_fp16); the engine "
+                     "reads shards through model_folder, below both"),
+    ("verify", "runtime", "verify measures the runtimes (the pure-fp16 loader, the baselines, profile emulation); what "
+                          "runtime/choose judges a run by (core.collapse, core.metrics) lies in core, below both"),
+]
+
+
+@pytest.mark.parametrize("upper, lower, why", ONE_WAY, ids=[f"{u}-over-{lo}" for u, lo, _ in ONE_WAY])
+def test_the_lower_floor_never_imports_the_upper(upper, lower, why):
+    edges = _floor_edges()
+    assert (upper, lower) in edges, f"{upper} no longer imports {lower}: take it out of ONE_WAY"
+    back = edges.get((lower, upper), [])
+    assert not back, f"{lower} must not import {upper} ({why}): " + "; ".join(back)
+
+
 def test_the_checks_see_function_level_and_relative_imports():
     """The reader itself: a relative import inside a function is an edge, and a loop of two is found."""
     tree = ast.parse("def f():\n    from ..engine.streamed import streamed_of\n")
@@ -131,3 +183,5 @@ def test_the_checks_see_function_level_and_relative_imports():
     assert _imported("halfsafe.core", True, node) == [("halfsafe.engine.streamed", ["streamed_of"])]  # from a package's __init__
     assert _halfsafe_modules("halfsafe.engine", ["streamed"]) == {"halfsafe.engine", "halfsafe.engine.streamed"}
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert (_floor("halfsafe.io.trust"), _floor("halfsafe.io"), _floor("halfsafe.errors"), _floor("halfsafe")) == \
+        ("io", "io", "errors", "halfsafe")

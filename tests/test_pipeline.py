@@ -19,11 +19,10 @@ from halfsafe.engine.streamed import streamed_of
 from halfsafe.io.loading import load_model
 from halfsafe.scan import collect, first_nonfinite_in_fp16
 from halfsafe.verify import verify
-from tests.tiny import TINY, save_tiny, tiny_ids
+from tests.tiny import save_tiny, streamable, tiny_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (conftest)
-LOADED_WHOLE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"}  # as tests/test_engine.py
-STREAMABLE = sorted(set(TINY) - LOADED_WHOLE)
+STREAMABLE = streamable()  # what the engine streams (tests/tiny.loaded_whole)
 
 
 def _streamed(key: str, folder):

@@ -15,6 +15,7 @@ from tiny import make_tiny
 from halfsafe.calibration import default_text, heldout_text, make_samples
 from halfsafe.convert import make_fp16_safe
 from halfsafe.core import arith16
+from halfsafe.core.collapse import collapsed
 from halfsafe.core.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.runtime.stats import RuntimeCollector
@@ -103,6 +104,7 @@ def test_collapse_metrics_by_hand():
     acc2.add(ref, ref.clone(), None, False)
     assert acc2.metrics().collapsed is False and acc2.metrics().uniform_positions == 0
     assert "collapsed" not in Metrics().to_dict() and Accumulator(lm=False).metrics().collapsed is None
+    assert collapsed(ref, uniform) and not collapsed(ref, ref.clone())  # convert --runtime's judgement, the same
 
 
 def test_verify_runtime_shows_the_silent_collapse(stressed):

@@ -485,7 +485,7 @@ def test_reference_cache_and_inputs(tmp_path, monkeypatch):
     assert rows.rows(2, 66).shape == (0, 3) and cache.load(0, 0).rows(1, 2).tolist() == [[-2.0, 8.0]]
     with monkeypatch.context() as m:
         made = []
-        m.setattr(halfsafe.calibration, "make_samples", lambda *a: made.append(a) or [torch.arange(10)[None] + 100 * len(made),
+        m.setattr(runner, "make_samples", lambda *a: made.append(a) or [torch.arange(10)[None] + 100 * len(made),
                                                                                       torch.arange(10)[None]])
         got = runner.prepare_inputs(["t1", "t2"], ["A", "B"], "TOK", 99, 16, 3, 4)
         assert made == [(["t1"], "TOK", 99, 16, 3), (["t2"], "TOK", 99, 16, 3)]
@@ -623,7 +623,7 @@ def wired(monkeypatch):
     monkeypatch.setattr(halfsafe.io.loading, "load_model",
                         lambda source, dtype, stream, device: calls.append(("load", source, dtype, stream, device)) or loaded)
     monkeypatch.setattr(compare, "compute_device", lambda m: calls.append(("device of", m)) or "DEV")
-    monkeypatch.setattr(halfsafe.calibration, "heldout_text", lambda: "HELD")
+    monkeypatch.setattr(compare, "heldout_text", lambda: "HELD")
     monkeypatch.setattr(compare, "Runner", FakeRunner)
     monkeypatch.setattr(compare, "exact_fp16_reductions", reductions)
     monkeypatch.setattr(compare, "prepare_inputs", prepare)

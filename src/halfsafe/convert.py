@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from .calibration import default_text, make_samples
+from .calibration import default_text, long_sample_ids, make_samples
 from .core.formats import FP16_MAX, FP16_MIN_NORMAL
 from .core.forward import logits as forward_logits
 from .core.forward import prefix, sample_tokens
@@ -34,6 +34,7 @@ from .families import family_for
 from .io.report import Applied, Conversion, Record, ScanAfter
 from .job import Job, Options, Output, run
 from .progress import phase, recorded
+from .runtime.choose import choose
 from .runtime.profiles import get_profile
 from .scan import ScanReport, scan
 
@@ -307,8 +308,6 @@ def _evaluate_all(model, family, groups, constraints, reference, headroom_bits, 
 def _choose_under(profile, model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref, report, samples,
                   progress):
     """convert --runtime: the candidates measured under the profile (halfsafe.runtime.choose), as Candidates."""
-    from .runtime.choose import choose
-
     rt = report.runtime if report.runtime is not None and report.runtime.profile == profile else \
         scan(model, samples, progress=progress, runtime=profile).runtime
     usual = candidate_exponents(groups, constraints, headroom_bits, n)
@@ -435,8 +434,6 @@ def convert_checkpoint(
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`.
     `tokenizer`: a folder to take the tokenizer from (and save with the result) instead of MODEL's own.
     `finish(folder)` adds to the saved checkpoint in its temporary folder before it becomes `out` (convert --to onnx)."""
-    from .calibration import long_sample_ids
-
     def check() -> None:
         check_options(max_context, headroom_bits)
         get_profile(runtime)  # an unknown profile fails here

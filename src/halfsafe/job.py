@@ -23,6 +23,8 @@ from .io.loading import LoadedModel
 from .io.report import Record
 from .progress import phase
 
+# The io/, families and calibration imports inside run, check_output, start and calibration are read when called: the
+# tests replace the slow steps (load_model, check_out_dir, save_fp16_checkpoint, make_samples) in those modules.
 T = TypeVar("T")
 Extra = Callable[[object, int], torch.Tensor]  # (tokenizer, vocab size) -> one more calibration sample
 

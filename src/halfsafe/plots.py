@@ -14,6 +14,7 @@ from matplotlib.figure import Figure  # a Figure draws to files without pyplot, 
 
 from .core.formats import FP16_MAX
 from .errors import HalfsafeError
+from .io.paths import write_file
 
 _PILLOW = ("gif", "jpg", "jpeg", "tif", "tiff", "webp", "avif")  # written by Pillow, if its build has the codec
 
@@ -47,8 +48,6 @@ def plot_file(path: str | Path, what: str = "--plot") -> tuple[Path, str]:
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
-    from .io.paths import write_file
-
     path, fmt = plot_file(path)
     return write_file(path, lambda tmp: fig.savefig(tmp, format=fmt), "the plot")
 

@@ -6,7 +6,6 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -15,12 +14,12 @@ from .core.formats import FP16_MAX
 from .core.forward import model_inputs, prefix, run_for_stats
 from .core.sites import Site, block_of, find_blocks, headroom_bits
 from .core.stats import ActivationCollector, SiteStats
+from .engine.fp16_arith import check_arith, resolve
 from .engine.pipeline import in_step
 from .engine.precision import in_dtype
 from .progress import phase
-
-if TYPE_CHECKING:
-    from .runtime.stats import RuntimeScan
+from .runtime.profiles import get_profile
+from .runtime.stats import RuntimeCollector, RuntimeScan
 
 FP16_CHECK_TOKENS = 128  # fp16 matmuls are slow on CPUs; the first overflow shows within a short prefix
 
@@ -174,10 +173,6 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
     """Measure every module's activations on `samples` (the model's own dtype, normally float32); `runtime`: also
     the quantities that runtime profile computes in float16 (halfsafe.runtime.stats; "torch": none). `fp16_arith`:
     how the fp16 check computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith)."""
-    from .engine.fp16_arith import check_arith, resolve
-    from .runtime.profiles import get_profile
-    from .runtime.stats import RuntimeCollector
-
     profile = get_profile(runtime)
     check_arith(fp16_arith)
     extra = RuntimeCollector(model, profile) if not profile.is_torch else None

@@ -6,6 +6,7 @@ bfloat16, as a bf16-pretrained checkpoint's would be.
 
 from __future__ import annotations
 
+import functools
 import pkgutil
 import random
 from importlib import import_module
@@ -13,6 +14,7 @@ from importlib import import_module
 import torch
 from transformers import PreTrainedModel
 
+from halfsafe.engine.streamed import loads_whole
 from halfsafe.io.loading import model_class_for
 
 
@@ -26,6 +28,18 @@ def _collect() -> dict:
 
 
 TINY = _collect()  # key (a model_type, or model_type plus a variant like "t5-v1_1") -> config factory
+
+
+@functools.cache
+def loaded_whole() -> frozenset[str]:
+    """The keys whose saved checkpoint the engine loads whole, not streamed, decided as the engine decides it
+    (engine.streamed.loads_whole: transformers splits some parameter on save, per-expert MoE weights)."""
+    return frozenset(k for k, factory in TINY.items() if loads_whole(config := factory(), model_class_for(config)))
+
+
+def streamable() -> list[str]:
+    """The keys the engine streams, sorted."""
+    return sorted(set(TINY) - loaded_whole())
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import HalfsafeError
+from ..filetypes import input_file
 
 
 def default_text() -> str:
@@ -90,8 +91,6 @@ class TextFile:
 def read_texts(paths: list[str | Path] | None) -> list[str | TextFile]:
     """The user's text files (each a regular file that starts with UTF-8 text), or the embedded default. A file is
     checked here, before anything slow, and read when `make_samples` cuts it (as much as it needs)."""
-    from ..filetypes import input_file
-
     if not paths:
         return [default_text()]
     texts = []

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from .._version import __version__
+from ..errors import HalfsafeError
 from ..families import GAIN1P
+from ..filetypes import kind as file_kind
 from .formats import FP16_MAX
 from .groups import Group, TensorMove, select_parts
-from .plan_schema import MIN_EXPONENT  # below this a scale pushes ordinary weights into fp16 subnormals
+from .plan_schema import (
+    MIN_EXPONENT,  # below this a scale pushes ordinary weights into fp16 subnormals
+    validate,
+)
 from .rewrite import eps_exponent, scoped_eps_exponents, select_key, tensor_exponents
 from .stats import SiteStats
 from .weights import part_index, value_blocks
@@ -41,8 +49,6 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
                 powers_by_site.setdefault(site, {})[group_name] = p
     bad = next((name for name, s in sites.items() if not math.isfinite(s.abs_max)), None)
     if bad is not None:
-        from ..errors import HalfsafeError
-
         raise HalfsafeError(f"{bad} is non-finite even in float32: the model's weights are corrupt (or its inputs); "
                             "re-download or re-save the checkpoint")
     out = [
@@ -180,8 +186,6 @@ class Plan:
     @classmethod
     def build(cls, family: str, model_type: str, groups: list[Group], exponents: dict[str, int], headroom_bits: float,
               context_length: int | None = None, shapes: dict[str, tuple] | None = None) -> "Plan":
-        from .._version import __version__
-
         exps = {k: int(v) for k, v in exponents.items() if v}
         return cls(family, model_type, exps, headroom_bits, tensor_table(groups, exps, shapes), eps_exponent(groups, exps),
                    scoped_eps_exponents(groups, exps), context_length,
@@ -199,8 +203,6 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
         """A plan read from a file, refused in one line unless `plan_schema.validate` accepts it."""
-        from .plan_schema import validate
-
         d = validate(d, PLAN_FORMAT)
         return cls(d["family"], d["model_type"], dict(d["exponents"]), float(d["headroom_bits"]),
                    [dict(t) for t in d["tensors"]], d.get("eps_exponent", 0), dict(d.get("eps_fields", {})),
@@ -211,19 +213,13 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        import os
-        import stat
-
-        from ..errors import HalfsafeError
-        from ..filetypes import kind
-
         path = Path(path)
         if path.is_dir():
             path = path / "halfsafe.json"
         try:
             mode = os.stat(path).st_mode  # a regular file, before it is opened: a FIFO would hang the read
             if not stat.S_ISREG(mode):
-                raise HalfsafeError(f"cannot read a plan from {path} (it is {kind(mode)}, not a file): pass a plan.json or a "
+                raise HalfsafeError(f"cannot read a plan from {path} (it is {file_kind(mode)}, not a file): pass a plan.json or a "
                                     "converted folder")
             d = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError) as e:

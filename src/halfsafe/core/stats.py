@@ -10,7 +10,7 @@ Every collector of activations builds on `SiteCollector`: it owns the hooks (one
 the block ends), names what it sees by `Site`, and hands each tensor to the collector's `record`. Collectors differ
 only in what they keep: `ActivationCollector` every statistic of every site (the scan), the training's peak sampler
 one scalar per watched site, verify's block peaks one float per block, the fine-tune's penalty a term that keeps
-the graph.
+the graph, the runtime scan (runtime.stats) what a profile's float16 norms and linear layers compute.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 halfsafe never unpickles: a folder holding only `.bin`/`.pt` weights is refused with the command that turns it
 into safetensors. A shard named in the index but absent, or a file whose header does not parse, is a one-line
-error before any work starts. Every file the checkpoint names is resolved inside the folder (`trust.inside`), and
+error before any work starts. Every file the checkpoint names is resolved inside the folder (`model_folder.inside`), and
 a shard larger than this machine can map is refused before it is opened.
 """
 
@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import HalfsafeError
-from ..io.trust import inside
+from ..model_folder import inside
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

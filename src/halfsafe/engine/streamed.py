@@ -335,14 +335,32 @@ def saved_name(model: PreTrainedModel, name: str, shape) -> str | None:
     return key if tuple(value.shape) == tuple(shape) else None
 
 
-def build(config: PretrainedConfig, cls, shards: Shards, device: str | torch.device = "cpu", cache_bytes: int = 0) -> Streamed:
-    """The meta skeleton of `cls(config)` with its units hooked to load from `shards`. Raises HalfsafeError with
-    the reason when the checkpoint's layout needs transformers' own loader (see `checkpoint_keys`)."""
+def skeleton(config: PretrainedConfig, cls) -> PreTrainedModel:
+    """`cls(config)` on the meta device, float32, its weights tied as the config says: no memory, no checkpoint."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
         model = cls._from_config(config, dtype=torch.float32)
     model.tie_weights()
+    return model
+
+
+def split_on_save(model: PreTrainedModel) -> list[str]:
+    """The parameters transformers' save_pretrained splits or merges (per-expert MoE weights: one stored tensor per
+    expert, merged again on load): in a checkpoint it saved, no one key holds them (`checkpoint_keys`)."""
+    return [name for name, p in model.named_parameters() if saved_name(model, name, p.shape) is None]
+
+
+def loads_whole(config: PretrainedConfig, cls) -> bool:
+    """Whether a checkpoint transformers saved of `cls(config)` is loaded whole, not streamed: `build` refuses it
+    because some parameter is split or merged on save (`split_on_save`), and loading falls back to transformers."""
+    return bool(split_on_save(skeleton(config, cls)))
+
+
+def build(config: PretrainedConfig, cls, shards: Shards, device: str | torch.device = "cpu", cache_bytes: int = 0) -> Streamed:
+    """The meta skeleton of `cls(config)` with its units hooked to load from `shards`. Raises HalfsafeError with
+    the reason when the checkpoint's layout needs transformers' own loader (see `checkpoint_keys`)."""
+    model = skeleton(config, cls)
     untie_stored_apart(model, shards)
     model.eval()
     keys = checkpoint_keys(model, shards)

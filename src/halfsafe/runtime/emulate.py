@@ -31,6 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..core import arith16, arith16_webgpu
+from ..core.linears import is_linear, out_in_weight
+from ..engine.wide import WideWeight
 from ..errors import HalfsafeError
 from .baselines import RuntimeHandle
 from .profiles import RuntimeProfile, get_profile
@@ -57,10 +59,6 @@ def is_rms_norm(m: nn.Module) -> bool:
     """RMSNorm-type: a class named ...RMSNorm, or T5's (T5, MT5, LongT5, UMT5 ...LayerNorm, an RMSNorm)."""
     name = type(m).__name__
     return not isinstance(m, nn.LayerNorm) and (name.endswith("RMSNorm") or name.endswith("T5LayerNorm"))
-
-
-def is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor))
 
 
 class NormStats16(TorchFunctionMode):
@@ -168,8 +166,6 @@ def _norm_forward(original, profile: RuntimeProfile, rms: bool):
 
 def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True):
     """`split` > 1: K cut into groups as `export onnx --runtime P` writes the product (arith16.split_matmul16)."""
-    from ..engine.wide import WideWeight
-
     def product(x, w):
         groups = arith16.split_groups(w.shape[1], split)
         if groups > 1:
@@ -178,9 +174,7 @@ def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True
 
     def forward(self, x):
         calls["linear"] += 1
-        w = self.weight
-        if type(self).__name__ == "Conv1D":
-            w = w.t()
+        w = out_in_weight(self)
         if isinstance(w, WideWeight):  # a streamed matrix too big to hold: its output rows a chunk at a time
             step = w.chunk_rows()
             y = torch.cat([product(x, w.rows(s, min(s + step, w.shape[0]))) for s in range(0, w.shape[0], step)], dim=-1)

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
+from ..io.trust import from_pretrained
+
 _ATTR = "_keep_in_fp32_modules"
 
 
@@ -49,8 +51,6 @@ def load_pure_fp16(model_class: type, path, **kwargs) -> PreTrainedModel:
     float16), otherwise it is the same single rounding a direct float16 load does; it only costs their float32
     size in memory for a moment.
     """
-    from ..io.trust import from_pretrained
-
     with pure_fp16(model_class):
         model = from_pretrained(model_class, path, dtype=torch.float16, **kwargs)
     for p in model.parameters():

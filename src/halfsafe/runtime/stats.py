@@ -20,9 +20,11 @@ from torch import nn
 
 from ..core import arith16
 from ..core.formats import FP16_MAX
-from ..core.sites import Hooks, headroom_bits
-from ..core.stats import first_tensor
-from .emulate import is_linear, is_rms_norm
+from ..core.linears import is_linear, out_in_weight
+from ..core.sites import Site, headroom_bits
+from ..core.stats import SiteCollector
+from ..engine.wide import WideWeight
+from .emulate import is_rms_norm
 from .profiles import RuntimeProfile, get_profile
 
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
@@ -95,8 +97,6 @@ class LinearStats:
         return headroom_bits(self.partial_max)
 
     def update(self, x: torch.Tensor, weight: torch.Tensor) -> None:
-        from ..engine.wide import WideWeight
-
         self.calls += 1
         if self.calls > PARTIAL_CALLS:
             return
@@ -164,46 +164,38 @@ def _eps(m: nn.Module) -> float:
     return 0.0
 
 
-class RuntimeCollector:
-    """`with RuntimeCollector(model, profile) as c: model(...)` fills `c.scan`; forward pre-hooks owned by one Hooks."""
+class RuntimeCollector(SiteCollector):
+    """`with RuntimeCollector(model, profile) as c: model(...)` fills `c.scan`: the input of every norm and linear
+    layer the profile computes in float16, watched as that module's "name:in" site (the hooks are SiteCollector's)."""
 
     def __init__(self, model: nn.Module, profile: "str | RuntimeProfile") -> None:
-        self.model = model
+        super().__init__(model)
         self.scan = RuntimeScan(get_profile(profile))
-        self._hooks = Hooks()
+        self._stats: dict[str, NormStats | LinearStats] = {}  # site -> what its tensors update
 
     def __enter__(self) -> "RuntimeCollector":
         p = self.scan.profile
-        try:
-            for name, m in self.model.named_modules():
-                rms = is_rms_norm(m)
-                if (rms and p.rms_stats_fp16) or (isinstance(m, nn.LayerNorm) and p.layernorm_fp16):
-                    s = self.scan.norms[name] = NormStats(name, type(m).__name__, "rms" if rms else "layernorm", _eps(m))
-                    self._hooks.add_pre(m, lambda mod, args, s=s: _norm_input(s, args))
-                elif p.matmul_chunk and is_linear(m):
-                    s = self.scan.linears[name] = LinearStats(name, type(m).__name__, p.matmul_chunk)
-                    self._hooks.add_pre(m, lambda mod, args, s=s: _linear_input(s, mod, args))
-        except BaseException:
-            self._hooks.remove()
-            raise
+        for name, m in self.model.named_modules():
+            rms = is_rms_norm(m)
+            if (rms and p.rms_stats_fp16) or (isinstance(m, nn.LayerNorm) and p.layernorm_fp16):
+                self._stats[str(Site(name, "in"))] = self.scan.norms[name] = NormStats(
+                    name, type(m).__name__, "rms" if rms else "layernorm", _eps(m))
+            elif p.matmul_chunk and is_linear(m):
+                self._stats[str(Site(name, "in"))] = self.scan.linears[name] = LinearStats(name, type(m).__name__, p.matmul_chunk)
+        self.watch_all(self._stats)
         return self
 
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        if not t.numel():
+            return
+        stats = self._stats[site]
+        if isinstance(stats, LinearStats):
+            stats.update(t, out_in_weight(module))
+        else:
+            stats.update(t)
+
     def __exit__(self, *exc) -> None:
-        self._hooks.remove()
+        self.remove()
         # norms and linears that never ran (a tower the text did not reach) say nothing
         self.scan.norms = {k: v for k, v in self.scan.norms.items() if v.rows}
         self.scan.linears = {k: v for k, v in self.scan.linears.items() if v.rows}
-
-
-def _norm_input(stats: NormStats, args) -> None:
-    x = first_tensor(args)
-    if x is not None and x.numel():
-        stats.update(x)
-
-
-def _linear_input(stats: LinearStats, module: nn.Module, args) -> None:
-    x = first_tensor(args)
-    if x is None or not x.numel():
-        return
-    w = module.weight.t() if type(module).__name__ == "Conv1D" else module.weight
-    stats.update(x, w)

@@ -46,12 +46,17 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
+from ..convert import ConversionReport, make_fp16_safe
 from ..core.formats import FP16_MAX
 from ..core.forward import model_inputs
 from ..core.sites import Site, block_of, find_blocks, within
 from ..core.stats import SiteCollector
+from ..engine.fp16_arith import resolve
 from ..errors import HalfsafeError
+from ..filetypes import input_file
+from ..io import owned
 from ..io.report import Finetuned, FinetuneReport, Record
+from ..job import Job, Options, Output, run
 from ..scan import check_fp16, collect
 
 STATE_VERSION = 1
@@ -389,8 +394,6 @@ def partial_dir(out: str | Path) -> Path:
 def _check_partial(out: str | Path) -> None:
     """OUT's partial folder is absent, or one halfsafe made for OUT (io.owned): halfsafe writes, resumes from and
     deletes no folder of that name it cannot prove it made."""
-    from ..io import owned
-
     folder = partial_dir(out)
     if os.path.lexists(folder) and owned.owned(folder, Path(out), owned.PARTIAL) is None:
         raise HalfsafeError(f"{folder} is where halfsafe keeps an unfinished fine-tune of {Path(out).name}, but halfsafe "
@@ -400,8 +403,6 @@ def _check_partial(out: str | Path) -> None:
 
 def _make_partial(out: str | Path) -> None:
     """OUT's partial folder, made and marked as halfsafe's (io.owned) unless it is already there (`_check_partial`)."""
-    from ..io import owned
-
     folder = partial_dir(out)
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -413,8 +414,6 @@ def _make_partial(out: str | Path) -> None:
 
 
 def _remove_partial(out: str | Path) -> None:
-    from ..io import owned
-
     folder = partial_dir(out)
     m = owned.owned(folder, Path(out), owned.PARTIAL)
     if m is not None:
@@ -442,9 +441,6 @@ def finetune_checkpoint(
     If `config.steps` run out with peaks still above the target, nothing is saved (unless
     `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
     so the same command with a larger --steps continues where this one stopped."""
-    from ..convert import ConversionReport, make_fp16_safe
-    from ..job import Job, Options, Output, run
-
     config = config or FinetuneConfig()
     state_file = Path(resume_from) if resume_from else partial_dir(out) / STATE_NAME
 
@@ -453,8 +449,6 @@ def finetune_checkpoint(
         if restart and resume_from:
             raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
         if resume_from:  # a regular file (a FIFO would hang the read)
-            from ..filetypes import input_file
-
             input_file(resume_from, "--resume-from", f"give the state file ({STATE_NAME} in the partial folder)")
         else:
             _check_partial(out)
@@ -494,6 +488,4 @@ def finetune_checkpoint(
 def fp16_check(model: nn.Module, samples: list[torch.Tensor]) -> dict:
     """The fp16 check `scan --fp16-check` runs (`scan.check_fp16`, in the arithmetic convert's trials use), every site
     measured: finite, the largest |x| and its site, and the tokens it ran."""
-    from ..engine.fp16_arith import resolve
-
     return check_fp16(model, samples, resolve(None, model)["used"], stats=True).summary()

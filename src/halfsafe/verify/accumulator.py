@@ -7,14 +7,12 @@ Sums (not means) so that texts of different lengths merge into an overall figure
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 
+from ..core.collapse import ROWS, CollapseSums  # ROWS: positions at a time, as convert --runtime counts collapse
 from ..core.metrics import kl_per_token
-from .report import UNIFORM, Metrics
-
-ROWS = 16  # positions compared at a time (a 262k vocabulary: 16 MiB per float32 temporary)
+from .report import Metrics
 
 
 @torch.no_grad()
@@ -36,9 +34,7 @@ class Accumulator:
     def __init__(self, lm: bool, collapse: bool = False) -> None:
         self.lm = lm
         self.collapse = collapse  # also the entropy, near-uniform rows and top-1 counts (Metrics.collapsed)
-        self.entropy_sum = 0.0
-        self.uniform = 0
-        self.top_counts: Counter = Counter()
+        self.collapse_sums = CollapseSums()
         self.positions = self.nonfinite_logits = self.nonfinite_positions = self.top1_hits = self.nll_tokens = 0
         self.kl_sum = self.nll_sum = self.max_err = 0.0
         self.greedy_matched = self.greedy_total = 0
@@ -61,19 +57,12 @@ class Accumulator:
             self.max_err = _nanmax(self.max_err, float((o.float() - r.float()).abs().max()))
             if self.collapse:
                 keep = finite.all(-1)
-                self._add_collapse(o[keep].float(), r[keep].float(), vocab)
+                self.collapse_sums.add(o[keep].float(), r[keep].float(), vocab)
         self.positions += flat.shape[0]
         if self.lm:
             nll, n = nll_sum(out, ids, encoder_decoder)
             self.nll_sum += nll
             self.nll_tokens += n
-
-    def _add_collapse(self, o: torch.Tensor, r: torch.Tensor, vocab: int) -> None:
-        entropy, ref_entropy = _entropy(o), _entropy(r)
-        self.entropy_sum += float(entropy.sum())
-        near = UNIFORM * math.log(vocab)
-        self.uniform += int(((entropy > near) & (ref_entropy <= near)).sum())  # rows that *became* near-uniform
-        self.top_counts.update(o.argmax(-1).tolist())
 
     def add_greedy(self, matched: int, total: int) -> None:
         self.has_greedy = True
@@ -86,9 +75,7 @@ class Accumulator:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.max_err = _nanmax(self.max_err, other.max_err)
         self.has_greedy = self.has_greedy or other.has_greedy
-        self.entropy_sum += other.entropy_sum
-        self.uniform += other.uniform
-        self.top_counts.update(other.top_counts)
+        self.collapse_sums.merge(other.collapse_sums)
 
     def metrics(self) -> Metrics:
         n = max(self.positions, 1)
@@ -102,20 +89,8 @@ class Accumulator:
             max_abs_logit_error=self.max_err,
             greedy_matched=self.greedy_matched if self.has_greedy else None,
             greedy_total=self.greedy_total if self.has_greedy else None,
-            **(self._collapse_metrics(n) if self.collapse else {}),
+            **(self.collapse_sums.fields() if self.collapse else {}),
         )
-
-    def _collapse_metrics(self, n: int) -> dict:
-        counted = sum(self.top_counts.values())
-        mode = self.top_counts.most_common(1)[0][1] / counted if counted else 0.0
-        return {"entropy_mean": self.entropy_sum / counted if counted else math.nan, "uniform_positions": self.uniform,
-                "mode_fraction": mode}
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits, -1)
-    return -(logp.exp() * logp).nan_to_num().sum(-1)
-
 
 def _nanmax(a: float, b: float) -> float:
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)

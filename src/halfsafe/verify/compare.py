@@ -20,12 +20,17 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..calibration import heldout_text
 from ..core.sites import find_blocks
 from ..core.weights import compute_device
 from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
+from ..engine.fp16_arith import NATIVE, check_arith, resolve
+from ..engine.fp16_arith import fp16_arith as fp16_arith_mode
 from ..engine.precision import as_dtype, cast_copy
 from ..errors import HalfsafeError
+from ..io import loading  # loading.load_model: read when called, where the tests replace it
 from ..progress import phase, recorded
+from ..runtime.profiles import get_profile
 from .converted import check_converted, load_converted
 from .report import VariantResult, VerifyReport, environment
 from .runner import Runner, prepare_inputs
@@ -66,12 +71,6 @@ def verify(
     variants compute ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith).
     `tokenizer_folder`: where `model` is loaded here, take its tokenizer from this folder (--tokenizer).
     """
-    from ..calibration import heldout_text
-    from ..engine.fp16_arith import NATIVE, check_arith, resolve
-    from ..engine.fp16_arith import fp16_arith as fp16_arith_mode
-    from ..io.loading import load_model
-    from ..runtime.profiles import get_profile
-
     progress = progress or (lambda msg: None)
     check_arith(fp16_arith)
     name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -81,8 +80,8 @@ def verify(
             original.to(resolve_device(device))
     else:
         with phase("load"):
-            loaded = load_model(model, torch.float32, stream=stream, device=device,
-                                **({"tokenizer": tokenizer_folder} if tokenizer_folder else {}))
+            loaded = loading.load_model(model, torch.float32, stream=stream, device=device,
+                                        **({"tokenizer": tokenizer_folder} if tokenizer_folder else {}))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")

@@ -14,7 +14,7 @@ from .variants import FP16, HALFSAFE, REFERENCE
 
 def plot_files(path: str | Path) -> list[Path]:
     """The two files `write_plots` writes for PATH (halfsafe.plots.plot_file: a name without a suffix is a PNG)."""
-    from ..plots import plot_file
+    from ..plots import plot_file  # halfsafe.plots imports matplotlib: only once a figure is asked for
 
     path = plot_file(path)[0]
     return [path, path.with_name(f"{path.stem}-layers{path.suffix}")]
@@ -24,7 +24,7 @@ def write_plots(report: VerifyReport, path: str | Path) -> list[Path]:
     """PATH: KL(fp32 || variant) per token as bars on a log axis (a non-finite variant gets a label, no bar).
     PATH with `-layers` before the suffix: residual peak per block, original (fp32 run) and converted (fp16
     run), against the fp16 limit."""
-    from ..plots import plot_bars, plot_layer_peaks
+    from ..plots import plot_bars, plot_layer_peaks  # matplotlib, as above
 
     path, layers = plot_files(path)
     bars = {}

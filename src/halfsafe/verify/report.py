@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from .._version import __version__
+from ..core.collapse import is_collapsed
 from ..core.formats import FP16_MAX
 from .variants import REFERENCE, Variant
 
@@ -32,7 +33,7 @@ class Metrics:
     greedy_total: int | None = None  # tokens generated (per prompt x prompts)
     # collapse (verify --runtime): outputs that are finite and still broken; None where not measured
     entropy_mean: float | None = None  # mean entropy of the variant's next-token distribution, nats
-    uniform_positions: int | None = None  # finite rows above UNIFORM x log(vocab) in entropy where fp32's are not
+    uniform_positions: int | None = None  # finite rows nearly uniform (core.collapse.UNIFORM) where fp32's are not
     mode_fraction: float | None = None  # share of positions whose top-1 is the variant's most frequent top-1
 
     @property
@@ -44,8 +45,7 @@ class Metrics:
         """Finite but broken: most rows nearly uniform, or one token on top nearly everywhere while fp32 disagrees."""
         if self.uniform_positions is None:
             return None
-        n = max(self.positions, 1)
-        return self.uniform_positions > n / 2 or (self.mode_fraction > COLLAPSED_MODE and self.top1 < 0.5)
+        return is_collapsed(self.positions, self.uniform_positions, self.mode_fraction, self.top1)
 
     def to_dict(self) -> dict:
         d = {**asdict(self), "greedy_fraction": self.greedy_fraction}
@@ -55,10 +55,6 @@ class Metrics:
         else:
             d["collapsed"] = self.collapsed
         return d
-
-
-UNIFORM = 0.9  # a row whose entropy is above 90% of log(vocab) carries almost no information
-COLLAPSED_MODE = 0.9
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from ..calibration import make_samples
 from ..core.forward import is_encoder_decoder
 from ..core.forward import logits as forward_logits
 from ..core.weights import compute_device, weights_of
@@ -45,8 +46,6 @@ class Inputs:
 def prepare_inputs(texts: list[str], names: list[str], tokenizer, vocab: int, seq_len: int, max_samples: int | None,
                    prompt_tokens: int) -> Inputs:
     """Each text cut into samples of `seq_len` tokens, and its first `prompt_tokens` as the greedy prompt."""
-    from ..calibration import make_samples
-
     samples = [make_samples([t], tokenizer, vocab, seq_len, max_samples) for t in texts]
     prompts = [s[0][:, :prompt_tokens] for s in samples]
     return Inputs(names, samples, prompts)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..runtime.baselines import RuntimeHandle, clamp_residual_adds, keep_residual_fp32
+from ..runtime.emulate import emulate_runtime
 
 REFERENCE = "fp32"
 BF16, FP16, CLAMP, FP32_RESIDUAL = "bf16", "fp16", "fp16 clamp", "fp16 + fp32 residual"
@@ -69,10 +71,6 @@ VARIANTS = {
 
 def under_runtime(base: Variant, profile) -> Variant:
     """`base` run under a runtime profile's float16 arithmetic (halfsafe.runtime.emulate): "<base> @ <profile>"."""
-    from functools import partial
-
-    from ..runtime.emulate import emulate_runtime
-
     return Variant(f"{base.name} @ {profile.name}", base.dtype, base.converted,
                    f"{base.description}, under runtime profile {profile.name}: {profile.summary} (emulated)",
                    partial(emulate_runtime, profile=profile))
