@@ -24,7 +24,10 @@ from halfsafe.calibration import heldout_text, make_samples
 from halfsafe.convert import convert_checkpoint
 from halfsafe.core.metrics import kl_per_token, top1_agreement
 from halfsafe.core.sites import find_blocks
-from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, add_residual_clamps, export_onnx, inspect_file, versions
+from halfsafe.export.onnx import ONNX_FILE, export_onnx
+from halfsafe.export.onnx_clamps import add_residual_clamps
+from halfsafe.export.onnx_common import inspect_file, versions
+from halfsafe.export.onnx_runners import OnnxDecoder
 from halfsafe.io.builtin import cache_dir, gemma3_270m_folder
 from halfsafe.io.loading import load_model
 

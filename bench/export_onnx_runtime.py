@@ -32,8 +32,9 @@ import torch  # noqa: E402
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.core.metrics import kl_per_token  # noqa: E402
-from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, export_onnx  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_norms import fp16_statistics  # noqa: E402
+from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
 from halfsafe.io.builtin import cache_dir, gemma3_270m_folder  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

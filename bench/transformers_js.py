@@ -30,7 +30,8 @@ import jsclient  # noqa: E402
 from halfsafe.calibration import heldout_text  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.core.metrics import kl_per_token, top1_agreement  # noqa: E402
-from halfsafe.export.onnx import ONNX_FILE, export_onnx, versions  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
+from halfsafe.export.onnx_common import versions  # noqa: E402
 from halfsafe.io.builtin import cache_dir, gemma3_270m_folder  # noqa: E402
 from halfsafe.io.loading import load_model  # noqa: E402
 

@@ -52,7 +52,8 @@ from transformers_js import _agreement  # noqa: E402
 
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
-from halfsafe.export.onnx import ONNX_FILE, export_onnx, save_program, versions  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
+from halfsafe.export.onnx_common import save_program, versions  # noqa: E402
 from halfsafe.export.onnx_split_k import split_matmuls_  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 

@@ -37,15 +37,10 @@ from halfsafe.core.probe import probe  # noqa: E402
 from halfsafe.core.rewrite import apply_exponents_  # noqa: E402
 from halfsafe.core.sites import find_blocks  # noqa: E402
 from halfsafe.errors import UnsupportedModelError  # noqa: E402
-from halfsafe.export.onnx import (  # noqa: E402
-    ONNX_FILE,
-    OnnxDecoder,
-    add_residual_clamps,
-    export_onnx,
-    inspect_file,
-    report_for,
-    residual_adds,
-)
+from halfsafe.export.onnx import ONNX_FILE, export_onnx, report_for  # noqa: E402
+from halfsafe.export.onnx_clamps import add_residual_clamps, residual_adds  # noqa: E402
+from halfsafe.export.onnx_common import inspect_file  # noqa: E402
+from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
 from halfsafe.export.onnx_seq2seq import DECODER_FILE, ENCODER_FILE  # noqa: E402
 from halfsafe.families import family_for  # noqa: E402
 from halfsafe.scan import scan  # noqa: E402
@@ -210,9 +205,9 @@ def test_unconverted_folder_warns(gemma3, caplog, monkeypatch, tmp_path):
     assert reports["converted"].warning is None and reports["converted"].converted
     assert "no halfsafe.json" in reports["original"].warning and not reports["original"].converted
     # the warning comes before the slow export; stop there
-    import halfsafe.export.onnx as mod
+    import halfsafe.export.onnx_decoder as decoder
 
-    monkeypatch.setattr(mod, "load_fp16", _stop)
+    monkeypatch.setattr(decoder, "load_fp16", _stop)
     with caplog.at_level(logging.WARNING), pytest.raises(_Stop):
         export_onnx(root / "original", tmp_path / "warned", scan=True)
     text = caplog.text
@@ -232,7 +227,7 @@ def test_bad_input(tmp_path, gemma3, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "already exists" in err and "--overwrite" in err
     save_tiny("t5gemma", tmp_path / "t5gemma")  # an encoder-decoder family transformers.js has no layout for
-    with pytest.raises(UnsupportedModelError, match="OnnxExporter.*does not cover.*exports t5, mt5, bart, pegasus"):
+    with pytest.raises(UnsupportedModelError, match="OnnxExporter.*does not cover.*exports bart, mt5, pegasus, t5"):
         export_onnx(tmp_path / "t5gemma", tmp_path / "t5gemma-onnx")
     # convert --to onnx refuses it before converting: nothing written
     assert main(["convert", str(tmp_path / "t5gemma"), str(tmp_path / "t5gemma-out"), "--to", "onnx"]) == 2
@@ -303,15 +298,15 @@ def test_transformers_js_external_data(llama, tmp_path, monkeypatch):
     """Weights over the protobuf limit go to `model_fp16.onnx_data`, named in config.json: both versions load it."""
     import onnx_ir
 
-    import halfsafe.export.onnx as mod
+    from halfsafe.export import onnx_common, onnx_folder
 
     root, _ = llama
     source = root / "converted"
     folder = tmp_path / "external"
     shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors", "onnx"))
-    monkeypatch.setattr(mod, "INLINE_LIMIT", 0)  # as if the weights were over 2 GB
-    mod.save_program(onnx_ir.load(str(source / ONNX_FILE)), folder / ONNX_FILE)
-    mod._mark_config(folder, external=(folder / (ONNX_FILE + "_data")).is_file())
+    monkeypatch.setattr(onnx_common, "INLINE_LIMIT", 0)  # as if the weights were over 2 GB
+    onnx_common.save_program(onnx_ir.load(str(source / ONNX_FILE)), folder / ONNX_FILE)
+    onnx_folder.mark_config(folder, external=(folder / (ONNX_FILE + "_data")).is_file())
     info = inspect_file(folder / ONNX_FILE)
     assert info["external_data"] and (folder / (ONNX_FILE + "_data")).stat().st_size > info["fp16_weight_bytes"] // 2
     config = json.loads((folder / "config.json").read_text())
@@ -392,7 +387,7 @@ def seq2seq(tmp_path_factory):
 @pytest.mark.parametrize("key", SEQ2SEQ)
 def test_seq2seq_layout(seq2seq, key):
     root, folder, report = seq2seq(key)
-    from halfsafe.export.onnx_seq2seq import _kv
+    from halfsafe.export.onnx_seq2seq import kv_shape
 
     assert report.path == str(folder / DECODER_FILE) and report.clip_nodes == 0 and report.converted
     # export onnx: no torch weights; convert --to onnx (T5): the two graphs beside the weights
@@ -401,7 +396,7 @@ def test_seq2seq_layout(seq2seq, key):
     assert config["transformers.js_config"] == {"dtype": "fp16", "kv_cache_dtype": {"fp16": "float16"}}
     from halfsafe.io.loading import read_config
 
-    layers = _kv(read_config(folder))[0]
+    layers = kv_shape(read_config(folder))[0]
     encoder = inspect_file(folder / ENCODER_FILE)
     assert encoder["inputs"] == ["input_ids", "attention_mask"] and encoder["outputs"] == ["last_hidden_state"]
     assert encoder["clip_nodes"] == ENCODER_CLIPS[key]
@@ -426,7 +421,7 @@ def test_ort_seq2seq_greedy_matches_transformers_fp32(seq2seq, key):
     (each step's argmax over the whole sequence so far, no cache), and each step's logits close to fp32's."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from halfsafe.export.onnx_seq2seq import OnnxSeq2Seq
+    from halfsafe.export.onnx_runners import OnnxSeq2Seq
 
     root, folder, _ = seq2seq(key)
     fp32 = AutoModelForSeq2SeqLM.from_pretrained(root / "converted", dtype=torch.float32).eval()

@@ -24,7 +24,8 @@ from tiny import TINY, make_tiny  # noqa: E402
 from halfsafe.cli import main  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.errors import UnsupportedModelError  # noqa: E402
-from halfsafe.export.onnx import ONNX_FILE, _scopes, export_onnx  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
+from halfsafe.export.onnx_clamps import name_scopes  # noqa: E402
 from halfsafe.io.loading import model_class_for  # noqa: E402
 
 # model class -> (tiny config key, the graph's output, the transformers.js task)
@@ -103,7 +104,7 @@ def test_encoder_layout(encoders):
         assert proto.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # cast from the fp16 graph
         mats = [i for i in proto.graph.initializer if len(i.dims) == 2 and i.data_type != onnx.TensorProto.INT64]
         assert mats and all(i.data_type == onnx.TensorProto.FLOAT16 for i in mats)  # every weight matrix (not position ids)
-        assert not any("pooler" in scope for n in proto.graph.node for scope in _scopes(n))  # its nodes removed too
+        assert not any("pooler" in scope for n in proto.graph.node for scope in name_scopes(n))  # its nodes removed too
         config = json.loads((folder / "config.json").read_text())
         assert config["transformers.js_config"] == {"dtype": "fp16"}  # no KV cache
         card = (folder / "README.md").read_text()

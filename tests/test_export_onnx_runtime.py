@@ -28,8 +28,9 @@ from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.core.metrics import mean_kl  # noqa: E402
 from halfsafe.export import onnx_norms  # noqa: E402
-from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, export_onnx  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_norms import choose_shift, fp16_statistics  # noqa: E402
+from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
 
 
 @pytest.fixture(scope="module")

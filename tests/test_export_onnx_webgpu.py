@@ -35,7 +35,8 @@ from halfsafe.cli import main  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.core.metrics import mean_kl  # noqa: E402
-from halfsafe.export.onnx import ONNX_FILE, OnnxDecoder, export_onnx  # noqa: E402
+from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
+from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
 from halfsafe.export.onnx_split_k import PREFIX, groups_for, split_matmuls_  # noqa: E402
 from halfsafe.runtime.profiles import get_profile  # noqa: E402
 

@@ -416,7 +416,7 @@ def fake_onnx(monkeypatch):
         path.write_bytes(program)
 
     monkeypatch.setattr(onnx, "require_onnx", lambda: None)
-    monkeypatch.setattr(onnx, "exporter_for", lambda folder: _FakeExporter)
+    monkeypatch.setattr(onnx, "exporter_for_folder", lambda folder: _FakeExporter)
     monkeypatch.setattr(onnx, "rewrite_for", lambda profile, model, folder: ({}, 0))
     monkeypatch.setattr(onnx, "save_program", save)
     monkeypatch.setattr(onnx, "report_for", lambda path, *a, **k: SimpleNamespace(

@@ -77,8 +77,9 @@ def test_convert_to_onnx_writes_the_onnx_before_out_is_in_place(src, tmp_path, c
 def _stub_graph(monkeypatch, fail):
     """The export without tracing a graph: its save writes part of a file, then `fail(path)`."""
     import halfsafe.export.onnx as onnx_export
+    import halfsafe.export.onnx_decoder as decoder
 
-    monkeypatch.setattr(onnx_export, "programs", lambda model: iter([(onnx_export.ONNX_FILE, None)]))
+    monkeypatch.setattr(decoder, "programs", lambda model: iter([(onnx_export.ONNX_FILE, None)]))
 
     def save_program(program, path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,8 @@ def test_a_full_disk_during_the_onnx_export_leaves_no_out_and_the_old_one_whole(
 KILL_IN_EXPORT = """
     import os, signal, sys
     import halfsafe.export.onnx as x
-    x.programs = lambda model: iter([(x.ONNX_FILE, None)])
+    import halfsafe.export.onnx_decoder as decoder
+    decoder.programs = lambda model: iter([(x.ONNX_FILE, None)])
     def save_program(program, path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half an onnx file")

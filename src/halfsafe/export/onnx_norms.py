@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..core.sites import Site
+from ..core.stats import SiteCollector
 from ..errors import HalfsafeError
 from ..runtime.emulate import is_rms_norm
 from ..runtime.profiles import RuntimeProfile
@@ -63,26 +65,31 @@ def _eps_name(m: nn.Module) -> str:
     raise HalfsafeError(f"{type(m).__name__} has no float eps ({', '.join(EPS_NAMES)}): the norm prescale cannot move it")
 
 
+class NormPeaks(SiteCollector):
+    """Largest |input| (and the normalized width) of each norm given, over every forward pass while it is on."""
+
+    def __init__(self, model: nn.Module, norms: dict[str, nn.Module]) -> None:
+        super().__init__(model)
+        self.peaks: dict[str, tuple[float, int]] = {}
+        try:
+            for name in norms:
+                self.watch(Site(name, "in"), name)
+        except BaseException:
+            self.remove()
+            raise
+
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        x = t.detach()
+        peak = float(x.abs().float().nan_to_num(posinf=FP16_MAX).max()) if x.numel() else 0.0
+        self.peaks[site] = (max(peak, self.peaks.get(site, (0.0, 0))[0]), x.shape[-1])
+
+
 def measure_peaks(model: nn.Module, norms: dict[str, nn.Module], samples: list[torch.Tensor]) -> dict[str, tuple[float, int]]:
     """Largest |input| (and the normalized width) of each norm, running `model` as it is (float16) on `samples`."""
-    peaks: dict[str, tuple[float, int]] = {}
-
-    def hook(name):
-        def record(_m, args):
-            x = args[0].detach()
-            peak = float(x.abs().float().nan_to_num(posinf=FP16_MAX).max()) if x.numel() else 0.0
-            peaks[name] = (max(peak, peaks.get(name, (0.0, 0))[0]), x.shape[-1])
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in norms.items()]
-    try:
-        with torch.no_grad():
-            for ids in samples:
-                model(input_ids=ids.to(model.device))
-    finally:
-        for h in handles:
-            h.remove()
-    return peaks
+    with NormPeaks(model, norms) as collector, torch.no_grad():
+        for ids in samples:
+            model(input_ids=ids.to(model.device))
+    return collector.peaks
 
 
 def choose_shift(peak: float, width: int) -> int:

@@ -1,7 +1,7 @@
 """fp16 ONNX of an encoder-decoder model (T5 v1.1 / Flan-T5 / mT5, BART, Pegasus) in the transformers.js layout.
 
-Two graphs, each exported by transformers' OnnxExporter from the model loaded all-fp16, as `export/onnx.py` does
-for decoders:
+Two graphs, each exported by transformers' OnnxExporter from the model loaded all-fp16, as `export/onnx_decoder.py`
+does for decoders:
 - `onnx/encoder_model_fp16.onnx`: input_ids, attention_mask -> last_hidden_state;
 - `onnx/decoder_model_merged_fp16.onnx`: input_ids (the decoder's), encoder_attention_mask, encoder_hidden_states,
   past_key_values.{i}.decoder.key|value -> logits (float32, cast from fp16), present.{i}.decoder.key|value and
@@ -33,12 +33,14 @@ from unittest import mock
 import torch
 
 from ..errors import HalfsafeError, UnsupportedModelError
-from . import onnx as base
+from ..io import card
+from .onnx_common import EXPORTER, clip_nodes, float32_output, has_external_data, load_exportable_fp16, name_dims, run_exporter
+from .onnx_folder import mark_config, mark_tokenizer
 
 ENCODER_FILE = "onnx/encoder_model_fp16.onnx"
 DECODER_FILE = "onnx/decoder_model_merged_fp16.onnx"
-# model types exported in this layout; transformers.js (3.8.1, 4.3.2) runs all but Pegasus, which it has no class for
-FAMILIES = ("t5", "mt5", "bart", "pegasus")
+# the model types this layout takes are marked in the family data (Family.onnx); transformers.js (3.8.1, 4.3.2) runs
+# all but Pegasus, which it has no class for
 NO_JS_CLASS = ("pegasus",)
 
 _ENCODER_DIMS = {
@@ -58,26 +60,21 @@ _DECODER_DIMS = {
 _CACHE = re.compile(r"^(?:input\.|output\.)?(?:cache|past_key_values)\.(self|cross)_attention_cache\.layers\.(\d+)\.(keys|values)$")
 
 
-def is_seq2seq(config) -> bool:
-    return bool(getattr(config, "is_encoder_decoder", False))
-
-
 def check_exportable(config) -> None:
-    model_type = getattr(config, "model_type", "?")
-    if model_type not in FAMILIES:
-        raise UnsupportedModelError(
-            f"{model_type} is an encoder-decoder model the ONNX export ({base.EXPORTER}) does not cover: it exports "
-            f"{', '.join(FAMILIES)} (transformers.js's encoder_model + decoder_model_merged layout)"
-        )
+    """Only an encoder-decoder model; which model types export in this layout the registry reads from the family data
+    (halfsafe.export.exporters)."""
+    if not getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{getattr(config, 'model_type', '?')} is not an encoder-decoder model: the "
+                                    f"encoder-decoder ONNX export ({EXPORTER}) takes one")
 
 
 def load_fp16(folder: Path):
     from transformers import AutoModelForSeq2SeqLM
 
-    return base.load_exportable_fp16(folder, check_exportable, AutoModelForSeq2SeqLM)
+    return load_exportable_fp16(folder, check_exportable, AutoModelForSeq2SeqLM)
 
 
-def _kv(config) -> tuple[int, int, int]:
+def kv_shape(config) -> tuple[int, int, int]:
     layers = getattr(config, "num_decoder_layers", None) or getattr(config, "decoder_layers", None) or config.num_layers
     heads = getattr(config, "num_heads", None) or config.decoder_attention_heads
     d_kv = getattr(config, "d_kv", None) or config.d_model // heads
@@ -112,7 +109,7 @@ def _finite_activations(module):
 
 
 def _export(module, inputs: dict, shapes: dict, name: str):
-    return base.run_exporter(module, inputs, shapes, f"the {name} of {module.config.model_type}", _finite_activations(module))
+    return run_exporter(module, inputs, shapes, f"the {name} of {module.config.model_type}", _finite_activations(module))
 
 
 def encoder_program(model, batch: int = 2, length: int = 5):
@@ -126,8 +123,8 @@ def encoder_program(model, batch: int = 2, length: int = 5):
     graph = program.graph
     odd = [v.name for v in list(graph.inputs) + list(graph.outputs) if v.name not in _ENCODER_DIMS]
     if odd:
-        raise HalfsafeError(f"unexpected encoder inputs/outputs from {base.EXPORTER}: {odd[:4]} (please report this)")
-    base._name_dims(graph, _ENCODER_DIMS)
+        raise HalfsafeError(f"unexpected encoder inputs/outputs from {EXPORTER}: {odd[:4]} (please report this)")
+    name_dims(graph, _ENCODER_DIMS)
     return program
 
 
@@ -137,7 +134,7 @@ def decoder_program(model, batch: int = 2, length: int = 5, past: int = 3, new: 
     from transformers import DynamicCache, EncoderDecoderCache
     from transformers.modeling_outputs import BaseModelOutput
 
-    layers, heads, d_kv = _kv(model.config)
+    layers, heads, d_kv = kv_shape(model.config)
     g = torch.Generator().manual_seed(0)
     dtype = next(model.parameters()).dtype
     self_cache = DynamicCache()
@@ -162,8 +159,8 @@ def decoder_program(model, batch: int = 2, length: int = 5, past: int = 3, new: 
         parts = v.name.split(".")
         if len(parts) == 4:  # past_key_values.{i}.decoder.key -> past_key_values.decoder
             table[v.name] = _DECODER_DIMS[f"{parts[0]}.{parts[2]}"]
-    base._name_dims(graph, table)
-    base._float32_logits(graph)
+    name_dims(graph, table)
+    float32_output(graph)
     return program
 
 
@@ -189,7 +186,7 @@ def _rename_decoder_io(graph) -> None:
                           r"past_key_values\.\d+\.decoder\.(key|value)|present\.\d+\.(decoder|encoder)\.(key|value))$")
     odd = [n for n in names if not expected.match(n)]
     if odd:
-        raise HalfsafeError(f"unexpected decoder inputs/outputs from {base.EXPORTER}: {odd[:4]} (please report this)")
+        raise HalfsafeError(f"unexpected decoder inputs/outputs from {EXPORTER}: {odd[:4]} (please report this)")
 
 
 def programs(model):
@@ -200,46 +197,10 @@ def programs(model):
 
 def finish(folder: Path, name: str | None = None) -> None:
     if (folder / "config.json").is_file():
-        external = [Path(f).name for f in (ENCODER_FILE, DECODER_FILE) if (folder / (f + base.EXTERNAL_DATA_SUFFIX)).exists()]
-        base._mark_config(folder, external)
-    base._mark_tokenizer(folder)
+        external = [Path(f).name for f in (ENCODER_FILE, DECODER_FILE) if has_external_data(folder / f)]
+        mark_config(folder, external)
+    mark_tokenizer(folder)
     model_type = json.loads((folder / "config.json").read_text()).get("model_type") if (folder / "config.json").is_file() else None
-    base.write_card(folder, [ENCODER_FILE, DECODER_FILE], task="text2text-generation",
+    files = [ENCODER_FILE, DECODER_FILE]
+    card.write_onnx(folder, files, clip_nodes(folder, files), task="text2text-generation",
                     no_js_class=model_type if model_type in NO_JS_CLASS else None, name=name)
-
-
-class OnnxSeq2Seq:
-    """The two graphs `programs` writes, run by ONNX Runtime (CPU): the encoder once, then the decoder token by token."""
-
-    def __init__(self, folder) -> None:
-        import onnxruntime as ort
-
-        folder = Path(folder)
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.encoder = ort.InferenceSession(str(folder / ENCODER_FILE), opts, providers=["CPUExecutionProvider"])
-        self.decoder = ort.InferenceSession(str(folder / DECODER_FILE), opts, providers=["CPUExecutionProvider"])
-        self.cache_names = [i.name for i in self.decoder.get_inputs() if i.name.startswith("past_key_values.")]
-        shape = next(i.shape for i in self.decoder.get_inputs() if i.name == self.cache_names[0])
-        self.heads, self.head_dim = shape[1], shape[3]
-
-    def greedy(self, ids, start: int, new_tokens: int):
-        """Greedy decoder tokens (after `start`, the decoder start token) for the encoder input `ids` [1, seq], and
-        each step's logits [new_tokens, vocab]."""
-        import numpy as np
-
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        mask = np.ones_like(ids)
-        hidden = self.encoder.run(None, {"input_ids": ids, "attention_mask": mask})[0]
-        cache = {n: np.zeros((1, self.heads, 0, self.head_dim), np.float16) for n in self.cache_names}
-        names = [o.name for o in self.decoder.get_outputs()]
-        token, out, logits = start, [], []
-        for _ in range(new_tokens):
-            feed = {"input_ids": np.array([[token]], np.int64), "encoder_attention_mask": mask,
-                    "encoder_hidden_states": hidden, **cache}
-            outs = dict(zip(names, self.decoder.run(None, feed)))
-            logits.append(outs["logits"][0, -1])
-            token = int(np.argmax(logits[-1]))
-            out.append(token)
-            cache = {n: outs[n.replace("past_key_values", "present")] for n in self.cache_names}
-        return out, np.stack(logits)

@@ -35,7 +35,7 @@ are already non-finite.
 """
 
 from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_pairs, class_in, linear, norm
-from .spec import EpsScope, Family, GroupSpec, Move, StressHint, untied_head
+from .spec import ONNX_SEQ2SEQ, EpsScope, Family, GroupSpec, Move, OnnxExport, StressHint, untied_head
 
 M = "model"
 ENC, DEC = f"{M}.encoder.layers", f"{M}.decoder.layers"
@@ -94,4 +94,5 @@ FAMILY = Family(
                f"{M}.decoder.layernorm_embedding", f"{_D}.self_attn_layer_norm", f"{_D}.encoder_attn_layer_norm"),
         reads=tuple(f"{layer}.{attn}.{p}_proj" for layer, attn in ((_E, "self_attn"), (_D, "self_attn"), (_D, "encoder_attn"))
                     for p in "qk")),
+    onnx=OnnxExport(ONNX_SEQ2SEQ),
 )

@@ -32,7 +32,7 @@ cross-attention, which this data does not move; every other group stays exact th
 """
 
 from .builders import class_in, linear, norm
-from .spec import Family, GroupSpec, Move, StressHint, tied_head
+from .spec import ONNX_ENCODER, Family, GroupSpec, Move, OnnxExport, StressHint, tied_head
 
 
 def _reads(layer: str) -> tuple[Move, ...]:
@@ -90,6 +90,7 @@ def encoder_family(name: str, base: str, head_norm: str, final_readers: dict[str
         # the stream: the embedding LayerNorm's output, then each sub-layer's; read by every layer's query and key
         stress=StressHint(norms=(f"{emb}.LayerNorm", f"{L}.attention.output.LayerNorm", f"{L}.output.LayerNorm"),
                            reads=(f"{L}.attention.self.query", f"{L}.attention.self.key")),
+        onnx=OnnxExport(ONNX_ENCODER),  # the bare model (feature-extraction) and the masked LM (fill-mask)
     )
 
 

@@ -30,7 +30,7 @@ The decoder-only PegasusForCausalLM is laid out differently (no `shared`) and fa
 """
 
 from .builders import BART_DECODER_WRITERS, BART_ENCODER_WRITERS, bart_embeddings, bart_pairs, linear, norm
-from .spec import EpsScope, Family, GroupSpec, tied_head
+from .spec import ONNX_SEQ2SEQ, EpsScope, Family, GroupSpec, OnnxExport, tied_head
 
 M = "model"
 _E, _D = f"{M}.encoder.layers.{{i}}", f"{M}.decoder.layers.{{i}}"
@@ -52,4 +52,5 @@ FAMILY = Family(
     residual_writers=(BART_DECODER_WRITERS, BART_ENCODER_WRITERS),
     eps=(EpsScope((), fixed_value=1e-5),),  # nn.LayerNorm's default, not in the config: no checkpoint can move it
     notes="LayerNorm eps is hard-coded (1e-5), so the residual scale is exact only up to eps / s**2",
+    onnx=OnnxExport(ONNX_SEQ2SEQ),
 )

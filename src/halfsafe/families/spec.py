@@ -214,6 +214,28 @@ class StressHint:
             raise ValueError("StressHint: a post-norm family names both the norms writing its stream and what reads it")
 
 
+ONNX_ENCODER, ONNX_SEQ2SEQ = "encoder", "seq2seq"
+ONNX_KINDS = (ONNX_ENCODER, ONNX_SEQ2SEQ)
+
+
+@dataclass(frozen=True)
+class OnnxExport:
+    """Which ONNX exporter takes the family's model types (halfsafe.export.exporters reads it): ONNX_ENCODER, one
+    graph of a BERT-style encoder, or ONNX_SEQ2SEQ, an encoder-decoder's two graphs. A decoder-only causal LM needs
+    none: the decoder exporter takes any causal LM.
+
+    model_types: the family's model types it covers, where not all of them are (empty: every one)."""
+
+    kind: str
+    model_types: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in ONNX_KINDS:
+            raise ValueError(f"OnnxExport: kind must be one of {ONNX_KINDS}, not {self.kind!r}")
+        if not isinstance(self.model_types, tuple) or not all(isinstance(t, str) and t for t in self.model_types):
+            raise ValueError(f"OnnxExport: model_types is a tuple of model types, not {self.model_types!r}")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -241,6 +263,7 @@ class Family:
     # configs; merged over shrink.WIDTHS, the widths every family shares. A field already smaller keeps its value.
     shrink_widths: dict[str, int] = field(default_factory=dict)
     stress: StressHint = StressHint()  # for the stress models of tests/stress.py: see StressHint
+    onnx: OnnxExport | None = None  # the ONNX exporter of an encoder or encoder-decoder family: see OnnxExport
 
     def __post_init__(self):
         names = [g.name for g in self.groups]
@@ -248,6 +271,14 @@ class Family:
             raise ValueError(f"family {self.name}: group names repeat: {names}")
         _check_family_eps(self)
         _check_writer_sets(self.name, self.residual_writers)
+        _check_onnx(self)
+
+    @property
+    def onnx_model_types(self) -> tuple[str, ...]:
+        """The model types `halfsafe export onnx` takes through the exporter `onnx` names (none without one)."""
+        if self.onnx is None:
+            return ()
+        return self.onnx.model_types or self.model_types
 
     @property
     def eps_attrs(self) -> tuple[str, ...]:
@@ -279,6 +310,18 @@ def _check_family_eps(family: Family) -> None:
             raise ValueError(f"family {family.name}, group {g.name}: {'.'.join(field)} is the family's eps too (it would move twice)")
         if own.setdefault(field, g.eps) != g.eps:
             raise ValueError(f"family {family.name}: groups name {'.'.join(field)} with different scopes")
+
+
+def _check_onnx(family: Family) -> None:
+    """An OnnxExport, covering model types of the family's own."""
+    if family.onnx is None:
+        return
+    if not isinstance(family.onnx, OnnxExport):
+        raise ValueError(f"family {family.name}: onnx is an OnnxExport, not {family.onnx!r}")
+    stray = [t for t in family.onnx.model_types if t not in family.model_types]
+    if stray:
+        raise ValueError(f"family {family.name}: onnx covers {stray}, which are not the family's model types "
+                         f"{family.model_types}")
 
 
 def _check_writer_sets(family: str, sets) -> None:

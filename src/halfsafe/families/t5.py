@@ -32,7 +32,7 @@ from .builders import (
     t5_stack_pairs,
     weight,
 )
-from .spec import EpsScope, Family, GroupSpec, Move, tied_head
+from .spec import ONNX_SEQ2SEQ, EpsScope, Family, GroupSpec, Move, OnnxExport, tied_head
 
 T5_ENC_SELF = f"{T5_ENC}.0.SelfAttention"
 
@@ -62,4 +62,5 @@ FAMILY = Family(
     residual_writers=(T5_DECODER_WRITERS, ("layer.0.SelfAttention.o", "layer.1.DenseReluDense.wo")),  # decoder, encoder
     notes="load float16 checkpoints with halfsafe.runtime.fp16.load_pure_fp16: a plain from_pretrained keeps wo "
           "in float32, which silently makes the residual float32",
+    onnx=OnnxExport(ONNX_SEQ2SEQ, ("t5", "mt5")),  # umt5's graphs are untested
 )
