@@ -23,7 +23,7 @@ from ..core.formats import FP16_MAX
 from ..core.sites import Hooks, headroom_bits
 from ..core.stats import first_tensor
 from .emulate import is_linear, is_rms_norm
-from .profiles import RuntimeProfile, get_profile
+from .profiles import RuntimeProfile
 
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
 PARTIAL_TOKENS = 128
@@ -167,9 +167,9 @@ def _eps(m: nn.Module) -> float:
 class RuntimeCollector:
     """`with RuntimeCollector(model, profile) as c: model(...)` fills `c.scan`; forward pre-hooks owned by one Hooks."""
 
-    def __init__(self, model: nn.Module, profile: "str | RuntimeProfile") -> None:
+    def __init__(self, model: nn.Module, profile: RuntimeProfile) -> None:
         self.model = model
-        self.scan = RuntimeScan(get_profile(profile))
+        self.scan = RuntimeScan(profile)
         self._hooks = Hooks()
 
     def __enter__(self) -> "RuntimeCollector":
@@ -177,10 +177,10 @@ class RuntimeCollector:
         try:
             for name, m in self.model.named_modules():
                 rms = is_rms_norm(m)
-                if (rms and p.rms_stats_fp16) or (isinstance(m, nn.LayerNorm) and p.layernorm_fp16):
+                if (rms or isinstance(m, nn.LayerNorm)) and p.norm_stats_in_fp16(rms):
                     s = self.scan.norms[name] = NormStats(name, type(m).__name__, "rms" if rms else "layernorm", _eps(m))
                     self._hooks.add_pre(m, lambda mod, args, s=s: _norm_input(s, args))
-                elif p.matmul_chunk and is_linear(m):
+                elif p.accumulates_fp16 and is_linear(m):
                     s = self.scan.linears[name] = LinearStats(name, type(m).__name__, p.matmul_chunk)
                     self._hooks.add_pre(m, lambda mod, args, s=s: _linear_input(s, mod, args))
         except BaseException:
