@@ -11,7 +11,7 @@ from halfsafe.core import arith16, arith16_webgpu
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime.emulate import attention16, attention_webgpu16, emulate_runtime
-from halfsafe.runtime.profiles import PROFILES, get_profile
+from halfsafe.runtime.profiles import FP16_STATS, GRAPH_KERNELS, PROFILES, get_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INF = float("inf")
@@ -27,6 +27,27 @@ def test_profiles_are_data_and_unknown_names_fail():
     assert not webgpu.norm_stats_fp16 and all(PROFILES[p].kernels == "generic" for p in PROFILES if p != "ort-webgpu")
     with pytest.raises(HalfsafeError, match="choose one of torch, fp16-norm-stats"):
         get_profile("webgpu")
+
+
+def test_profiles_answer_what_they_emulate_measure_and_export():
+    """What each profile does is asked of it (runtime.emulate, runtime.stats and the export read the answers)."""
+    p = PROFILES
+    assert all(p["torch"].norm_arith(rms) is None for rms in (True, False)) and not p["torch"].accumulates_fp16
+    assert p["fp16-norm-stats"].norm_arith(True) == FP16_STATS == p["fp16-norm-stats"].norm_arith(False)
+    assert p["layernorm-decomposed"].norm_arith(True) is None and p["layernorm-decomposed"].norm_arith(False) == FP16_STATS
+    assert p["ort-webgpu"].norm_arith(True) == GRAPH_KERNELS == p["ort-webgpu"].norm_arith(False)
+    assert [n for n in p if p[n].norm_stats_in_fp16(True)] == ["fp16-norm-stats", "all-fp16"]
+    assert [n for n in p if p[n].norm_stats_in_fp16(False)] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
+    assert [n for n in p if p[n].accumulates_fp16] == ["fp16-accumulate", "all-fp16", "ort-webgpu"]
+    assert {n: p[n].attention_kernels for n in p if p[n].attention_kernels} == {"all-fp16": "generic", "ort-webgpu": "ort-webgpu"}
+    assert [n for n in p if p[n].graph_activations] == ["ort-webgpu"]
+    webgpu = p["ort-webgpu"]
+    assert (webgpu.linear_split("linear"), webgpu.linear_split("head"), webgpu.linear_split("conv1d")) == (16, 16, 1)
+    assert all(p[n].linear_split("linear") == 1 for n in p if n != "ort-webgpu")
+    # the export's rewrites, as data
+    assert [n for n in p if p[n].prescales_norms] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
+    assert webgpu.onnx_split_k == (16, 16, 1) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
+    assert [n for n in p if p[n].splits_head] == ["fp16-accumulate", "all-fp16"]
 
 
 def test_float16_sums_by_hand():

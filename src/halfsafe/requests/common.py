@@ -70,12 +70,12 @@ class Fp16Options:
     profile, never a name: resolved by `checked`) and how the float16 trials compute (halfsafe.engine.fp16_arith)."""
 
     runtime: RuntimeProfile = TORCH
-    fp16_arith: str | None = None
+    fp16_arith: str = DEFAULT_FP16_ARITH  # None given: the default
 
     def __post_init__(self) -> None:
         if not isinstance(self.runtime, RuntimeProfile):
             raise TypeError(f"runtime is a RuntimeProfile, not {type(self.runtime).__name__}: use Fp16Options.checked")
-        check_fp16_arith(self.fp16_arith)
+        object.__setattr__(self, "fp16_arith", check_fp16_arith(self.fp16_arith))
 
     @classmethod
     def checked(cls, runtime: str | RuntimeProfile | None = None, fp16_arith: str | None = None) -> "Fp16Options":
