@@ -146,7 +146,7 @@ def scan_request(args) -> rq.ScanRequest:
 def cmd_scan(args) -> int:
     from .display import scan_tables
     from .plots import plot_layer_peaks
-    from .scan import scan_request as run_scan
+    from .scan import run_scan
 
     report = run_scan(scan_request(args))
     scan_tables(report, console, top=args.top)

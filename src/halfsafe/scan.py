@@ -206,7 +206,7 @@ def scan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Scan
     return report
 
 
-def scan_request(request: ScanRequest) -> ScanReport:
+def run_scan(request: ScanRequest) -> ScanReport:
     """`halfsafe scan`: the request's model loaded, its samples cut, scanned."""
     from .calibration import make_samples, read_texts
     from .io.loading import load_model
