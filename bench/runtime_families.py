@@ -28,6 +28,7 @@ from halfsafe.engine.precision import cast_copy  # noqa: E402
 from halfsafe.errors import HalfsafeError  # noqa: E402
 from halfsafe.runtime import emulate  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime, is_rms_norm  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES  # noqa: E402
 
 
 def counts(model: nn.Module) -> dict:
@@ -39,7 +40,7 @@ def counts(model: nn.Module) -> dict:
 def run(model, ids, profile: str) -> tuple[Counter, bool]:
     """The emulated calls of one forward pass under `profile`, and whether its logits were finite."""
     emulate.calls.clear()
-    with emulate_runtime(model, profile), torch.no_grad():
+    with emulate_runtime(model, PROFILES[profile]), torch.no_grad():
         finite = bool(torch.isfinite(logits(model, ids)).all())
     return Counter(emulate.calls), finite
 

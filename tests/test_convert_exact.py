@@ -45,6 +45,7 @@ from halfsafe.families import family_for
 from halfsafe.io.checkpoint import shard_size
 from halfsafe.io.loading import input_paths
 from halfsafe.io.report import Versions
+from halfsafe.requests import MarginOptions, PlanOptions
 from halfsafe.scan import LayerPeak, ScanReport
 
 B = math.log2(65504.0)  # 15.99930: float16's largest value in bits
@@ -412,7 +413,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(halfsafe.io.loading, "load_model", record("load", loaded))
     monkeypatch.setattr(convert, "long_sample_ids", record("long", "LONG"))
     monkeypatch.setattr(halfsafe.calibration, "make_samples", record("samples", lambda: [sample]))  # cut in halfsafe.job
-    monkeypatch.setattr(convert, "make_fp16_safe", record("make", report))
+    monkeypatch.setattr(convert, "rescale_with", record("make", report))
     monkeypatch.setattr(convert, "apply_measured_", record("apply", list))
     monkeypatch.setattr(convert, "check_plan", record("fits"))  # apply: the plan's names and shapes, right after loading
     return SimpleNamespace(calls=calls, loaded=loaded, report=report, sample=sample, record=record)
@@ -426,7 +427,7 @@ def test_convert_checkpoint_defaults_reach_each_step(recorded):
         ("load", ("src",), {"stream": True, "device": "auto"}),
         ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", ([default_text()], "TOK", 300, 512, 8), {}),
-        ("make", (m, [r.sample]), {"headroom_bits": None, "allow_unfixable": False, "progress": True, "max_context": None, "fp16_arith": None}),
+        ("make", (m, [r.sample], PlanOptions(), True), {}),
         ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), False,
                   shard_size(DEFAULT_MAX_SHARD_SIZE), True), {"finish": None}),
     ]
@@ -442,12 +443,12 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
         ("check", ("out", True, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
         ("samples", (["a text"], "TOK", 300, 64, None), {}),
         ("long", ("TOK", 300, 2), {}),
-        ("make", (m, [r.sample, "LONG"]), {"headroom_bits": 3.0, "allow_unfixable": True, "progress": False, "max_context": None, "fp16_arith": None}),
+        ("make", (m, [r.sample, "LONG"], PlanOptions(MarginOptions(headroom_bits=3.0), allow_unfixable=True), False), {}),
         ("save", (m, "TOK again", "out", {"source": "src", "plan": "P", "peak_before": 1.0}, Path("/the/source"), True, 10**9, False), {"finish": None}),
     ]
     r.calls.clear()
     convert_checkpoint("src", "out", max_context=1000)
-    assert r.calls[4][2]["max_context"] == 1000 and len(r.calls[4][1][1]) == 1  # no long sample
+    assert r.calls[4][1][2].margin.max_context == 1000 and len(r.calls[4][1][1]) == 1  # no long sample
 
 
 @pytest.mark.parametrize("options, match", [
@@ -459,7 +460,7 @@ def test_convert_checkpoint_options_reach_each_step(recorded):
 def test_convert_checkpoint_bad_options_fail_before_loading(recorded, options, match):
     with pytest.raises(HalfsafeError, match=match):
         convert_checkpoint("src", "out", **options)
-    assert [c[0] for c in recorded.calls] == ["check"]
+    assert recorded.calls == []  # the request is checked as it is made: before the output, before anything loads
 
 
 def test_convert_checkpoint_unsupported_model_fails_before_the_output_checks(recorded):

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime  # noqa: E402
-from halfsafe.runtime.profiles import get_profile  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES, get_profile  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,7 +67,7 @@ def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key, r
     with torch.no_grad():
         with emulate_runtime(half, profile):
             emulated = half(input_ids=torch.from_numpy(ids)).logits.float()
-        with emulate_runtime(half, "all-fp16"):
+        with emulate_runtime(half, PROFILES["all-fp16"]):
             chunked = half(input_ids=torch.from_numpy(ids)).logits.float()
     assert torch.isfinite(real).all()
     assert torch.equal(emulated, real), f"{int((emulated != real).sum())} of {real.numel()} logits differ"

@@ -18,6 +18,7 @@ from halfsafe.core.forward import logits
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime.emulate import emulate_runtime
+from halfsafe.runtime.profiles import PROFILES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
@@ -43,7 +44,7 @@ def test_fp16_accumulate_is_chosen_under_the_profile(stressed):
     assert all(c["kl"] >= chosen["kl"] for c in info["candidates"] if c["finite"] and not c["collapsed"]
                and c["kl"] <= info["bf16_kl"] and not c["overflowing_weights"])
     half = cast_copy(conv, torch.float16).eval()  # the written weights, run under the profile: finite
-    with emulate_runtime(half, "fp16-accumulate"), torch.no_grad():
+    with emulate_runtime(half, PROFILES["fp16-accumulate"]), torch.no_grad():
         assert torch.isfinite(logits(half, calib[1])).all()
 
 

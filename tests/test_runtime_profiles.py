@@ -11,7 +11,7 @@ from halfsafe.core import arith16, arith16_webgpu
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
 from halfsafe.runtime.emulate import attention16, attention_webgpu16, emulate_runtime
-from halfsafe.runtime.profiles import PROFILES, get_profile
+from halfsafe.runtime.profiles import FP16_STATS, GRAPH_KERNELS, PROFILES, get_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INF = float("inf")
@@ -27,6 +27,27 @@ def test_profiles_are_data_and_unknown_names_fail():
     assert not webgpu.norm_stats_fp16 and all(PROFILES[p].kernels == "generic" for p in PROFILES if p != "ort-webgpu")
     with pytest.raises(HalfsafeError, match="choose one of torch, fp16-norm-stats"):
         get_profile("webgpu")
+
+
+def test_profiles_answer_what_they_emulate_measure_and_export():
+    """What each profile does is asked of it (runtime.emulate, runtime.stats and the export read the answers)."""
+    p = PROFILES
+    assert all(p["torch"].norm_arith(rms) is None for rms in (True, False)) and not p["torch"].accumulates_fp16
+    assert p["fp16-norm-stats"].norm_arith(True) == FP16_STATS == p["fp16-norm-stats"].norm_arith(False)
+    assert p["layernorm-decomposed"].norm_arith(True) is None and p["layernorm-decomposed"].norm_arith(False) == FP16_STATS
+    assert p["ort-webgpu"].norm_arith(True) == GRAPH_KERNELS == p["ort-webgpu"].norm_arith(False)
+    assert [n for n in p if p[n].norm_stats_in_fp16(True)] == ["fp16-norm-stats", "all-fp16"]
+    assert [n for n in p if p[n].norm_stats_in_fp16(False)] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
+    assert [n for n in p if p[n].accumulates_fp16] == ["fp16-accumulate", "all-fp16", "ort-webgpu"]
+    assert {n: p[n].attention_kernels for n in p if p[n].attention_kernels} == {"all-fp16": "generic", "ort-webgpu": "ort-webgpu"}
+    assert [n for n in p if p[n].graph_activations] == ["ort-webgpu"]
+    webgpu = p["ort-webgpu"]
+    assert (webgpu.linear_split("linear"), webgpu.linear_split("head"), webgpu.linear_split("conv1d")) == (16, 16, 1)
+    assert all(p[n].linear_split("linear") == 1 for n in p if n != "ort-webgpu")
+    # the export's rewrites, as data
+    assert [n for n in p if p[n].prescales_norms] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
+    assert webgpu.onnx_split_k == (16, 16, 1) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
+    assert [n for n in p if p[n].splits_head] == ["fp16-accumulate", "all-fp16"]
 
 
 def test_float16_sums_by_hand():
@@ -56,7 +77,7 @@ def test_a_row_whose_squares_overflow_is_zeroed():
         norm.weight.fill_(1.0)
     h = x.half()
     assert abs(float(norm(h)[0, 0].detach()) - 8 ** 0.5) < 0.01  # PyTorch: fp32 statistics, 300 / (300 / sqrt(8))
-    with emulate_runtime(norm, "fp16-norm-stats"):
+    with emulate_runtime(norm, PROFILES["fp16-norm-stats"]):
         out = norm(h)
     assert torch.equal(out, torch.zeros_like(h))  # finite and silently wrong
     assert abs(float(norm(h)[0, 0]) - 8 ** 0.5) < 0.01  # restored
@@ -68,7 +89,7 @@ def test_an_eps_that_rounds_to_zero_makes_nan():
     norm = Gemma3RMSNorm(4, eps=3.9e-9).half()
     zeros = torch.zeros(1, 4, dtype=torch.float16)
     assert torch.equal(norm(zeros), zeros)  # fp32: rsqrt(3.9e-9) is finite, 0 x finite = 0
-    with emulate_runtime(norm, "fp16-norm-stats"):
+    with emulate_runtime(norm, PROFILES["fp16-norm-stats"]):
         assert torch.isnan(norm(zeros)).all()  # rsqrt(0) = inf, 0 x inf = NaN
 
 
@@ -82,7 +103,7 @@ def test_gemma3_norm_in_range_follows_the_hand_formula():
     xf = x.float()
     inv = arith16.r16(torch.rsqrt(arith16.r16(arith16.mean16(arith16.r16(xf * xf)) + arith16.scalar16(1e-6)))).unsqueeze(-1)
     want = ((xf * inv) * (1.0 + norm.weight.float())).half()  # the rest as the modeling code computes it
-    with emulate_runtime(norm, "fp16-norm-stats"):
+    with emulate_runtime(norm, PROFILES["fp16-norm-stats"]):
         got = norm(x)
     assert torch.equal(got, want)
 
@@ -93,7 +114,7 @@ def test_a_norm_the_emulation_cannot_follow_is_an_error():
             return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
     norm = OddRMSNorm()
-    with emulate_runtime(norm, "fp16-norm-stats"), pytest.raises(HalfsafeError, match="OddRMSNorm"):
+    with emulate_runtime(norm, PROFILES["fp16-norm-stats"]), pytest.raises(HalfsafeError, match="OddRMSNorm"):
         norm(torch.ones(1, 4).half())
 
 
@@ -104,10 +125,10 @@ def test_layernorm_decomposed_pow_overflow_leaves_the_bias():
     x = torch.tensor([[400.0, 0.0, 0.0, 0.0]]).half()  # |x - mean| = 300 > 255.9: Pow overflows
     plain = ln(x)
     assert torch.isfinite(plain).all() and abs(float(plain[0, 0]) - 1.732 - 0.5) < 0.01
-    with emulate_runtime(ln, "layernorm-decomposed"):
+    with emulate_runtime(ln, PROFILES["layernorm-decomposed"]):
         out = ln(x)
     assert torch.equal(out, ln.bias.detach()[None])
-    with emulate_runtime(ln, "fp16-accumulate"):  # no norm statistics in that profile
+    with emulate_runtime(ln, PROFILES["fp16-accumulate"]):  # no norm statistics in that profile
         assert torch.equal(ln(x), plain)
 
 
@@ -117,7 +138,7 @@ def test_linear_partial_sums_overflow_where_the_total_does_not():
         lin.weight.copy_(torch.cat([torch.full((64,), 1500.0), torch.full((64,), -1500.0)])[None])
     x = torch.ones(1, 128, dtype=torch.float16)
     assert float(lin(x)) == 0.0  # float32 accumulation: 32 x 1500 x 2 - ... = 0
-    with emulate_runtime(lin, "fp16-accumulate"):
+    with emulate_runtime(lin, PROFILES["fp16-accumulate"]):
         assert float(lin(x)) == INF  # running sum 48000 + 48000 = 96000 -> inf, which no later chunk undoes
     parts = torch.tensor([[2048.0, 1.0, 1.0]])
     assert float(arith16.running16(parts)[0]) == 2048.0
@@ -129,11 +150,11 @@ def test_torch_profile_is_no_patch_bit_for_bit():
     ids = tiny_ids(model)
     with torch.no_grad():
         plain = half(input_ids=ids).logits
-        handle = emulate_runtime(half, "torch")
+        handle = emulate_runtime(half, PROFILES["torch"])
         assert len(handle) == 0
         with handle:
             assert torch.equal(half(input_ids=ids).logits, plain)
-        with emulate_runtime(half, "all-fp16"):
+        with emulate_runtime(half, PROFILES["all-fp16"]):
             patched = half(input_ids=ids).logits
         assert not torch.equal(patched, plain) and torch.isfinite(patched).all()
         assert torch.equal(half(input_ids=ids).logits, plain)  # every patch taken off
@@ -149,7 +170,7 @@ def test_every_profile_stays_close_on_small_activations(key):
         ref = model(input_ids=ids).logits
         plain = float((half(input_ids=ids).logits.float() - ref).abs().max())
         for name in PROFILES:
-            with emulate_runtime(half, name):
+            with emulate_runtime(half, PROFILES[name]):
                 err = float((half(input_ids=ids).logits.float() - ref).abs().max())
             assert err < 4 * plain + 1e-3, (name, err, plain)
 
@@ -167,7 +188,7 @@ def test_ort_webgpu_patches_linears_attention_gelu_and_norms():
     with torch.no_grad():
         plain = half(input_ids=ids).logits
         calls.clear()
-        with emulate_runtime(half, "ort-webgpu"):
+        with emulate_runtime(half, PROFILES["ort-webgpu"]):
             patched = half(input_ids=ids).logits
         assert torch.equal(half(input_ids=ids).logits, plain)  # every patch taken off
     assert dict(calls) == {"linear": 7 * layers + 1, "attention": layers, "activation": layers, "norm": 6 * layers + 1}
@@ -229,7 +250,7 @@ def test_ort_webgpu_layer_norm_is_the_fused_kernel():
     x = (torch.randn(8, 64) * 3 + 1).half()
     with torch.no_grad():
         plain = norm(x)
-        with emulate_runtime(norm, "ort-webgpu"):
+        with emulate_runtime(norm, PROFILES["ort-webgpu"]):
             got = norm(x)
     want = arith16_webgpu.layer_norm16(x.float(), norm.weight, norm.bias, norm.eps)
     assert torch.equal(got.float(), want) and not torch.equal(got, plain)  # four float16 roundings, not one
@@ -267,9 +288,9 @@ def test_streamed_model_with_every_matrix_wide_emulates_as_the_whole(tmp_path, m
     streamed_of(streamed).wide_bytes = 0  # the head and every linear read 32 rows at a time
     ids = tiny_ids(whole, 12)
     with in_dtype(whole, torch.float16) as a, in_dtype(streamed, torch.float16) as b:
-        with emulate_runtime(a, "all-fp16"):
+        with emulate_runtime(a, PROFILES["all-fp16"]):
             want = logits(a, ids)
-        with emulate_runtime(b, "all-fp16"):
+        with emulate_runtime(b, PROFILES["all-fp16"]):
             got = logits(b, ids)
     assert torch.equal(want, got)
 
@@ -282,6 +303,6 @@ def test_t5_norms_are_rms_norms_and_every_kind_is_counted():
     ids = tiny_ids(model, 8)
     n_norms = sum(type(m).__name__ == "MT5LayerNorm" for m in half.modules())
     emulate.calls.clear()
-    with emulate_runtime(half, "fp16-norm-stats"), torch.no_grad():
+    with emulate_runtime(half, PROFILES["fp16-norm-stats"]), torch.no_grad():
         half(input_ids=ids, decoder_input_ids=ids)
     assert n_norms and emulate.calls["norm"] == n_norms and not emulate.calls["linear"]

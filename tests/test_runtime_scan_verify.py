@@ -18,6 +18,7 @@ from halfsafe.core import arith16
 from halfsafe.core.collapse import collapsed
 from halfsafe.core.forward import logits
 from halfsafe.engine.precision import cast_copy
+from halfsafe.runtime.profiles import PROFILES
 from halfsafe.runtime.stats import RuntimeCollector
 from halfsafe.scan import scan
 from halfsafe.verify import FP16, HALFSAFE, verify
@@ -42,7 +43,7 @@ def test_scan_runtime_norm_statistics_against_numpy(stressed):
     seen = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, []).append(args[0].detach().double().numpy()))
              for n, m in model.named_modules() if type(m).__name__ == "Gemma3RMSNorm"]
-    with RuntimeCollector(model, "fp16-norm-stats") as c, torch.no_grad():
+    with RuntimeCollector(model, PROFILES["fp16-norm-stats"]) as c, torch.no_grad():
         for ids in calib:
             model(input_ids=ids)
     for h in hooks:
@@ -67,7 +68,7 @@ def test_scan_runtime_linear_partial_sums_against_a_loop(stressed):
     lin = dict(model.named_modules())[name]
     xs = []
     h = lin.register_forward_pre_hook(lambda mod, args: xs.append(args[0].detach().reshape(-1, args[0].shape[-1]).double()))
-    with RuntimeCollector(model, "fp16-accumulate") as c, torch.no_grad():
+    with RuntimeCollector(model, PROFILES["fp16-accumulate"]) as c, torch.no_grad():
         model(input_ids=calib[0])
     h.remove()
     x, w = xs[0], lin.weight.detach().double()

@@ -9,16 +9,17 @@ import math
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
 
+from . import requests as rq
 from ._version import __version__
 from .errors import HalfsafeError
+from .requests import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MODEL
 
-DEFAULT_MODEL = "gemma3-270m"
-DEFAULT_MAX_SHARD_SIZE = "5GB"  # engine.write's, without importing torch to build the parser
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
@@ -72,16 +73,24 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown device {text!r}: use one of {', '.join(DEVICES)} (or cuda:N)")
 
 
-def _add_text_args(p: argparse.ArgumentParser, seq_len: int = 512, max_samples: int | None = 8) -> None:
+def _add_text_args(p: argparse.ArgumentParser, defaults: rq.TextOptions) -> None:
+    """--text, --seq-len and --max-samples, with the command's request's defaults (halfsafe.requests)."""
     p.add_argument("--text", action="append", metavar="FILE", help="calibration text file (repeatable; default: the embedded text)")
-    p.add_argument("--seq-len", type=_count(2), default=seq_len, help=f"tokens per sample (default {seq_len})")
-    p.add_argument("--max-samples", type=_count(1), default=max_samples, help=f"samples at most (default {max_samples})")
+    p.add_argument("--seq-len", type=_count(2), default=defaults.seq_len, help=f"tokens per sample (default {defaults.seq_len})")
+    p.add_argument("--max-samples", type=_count(1), default=defaults.max_samples, help=f"samples at most (default {defaults.max_samples})")
 
 
-def _samples(args, loaded, texts):
-    from .calibration import make_samples
+def _text(args) -> rq.TextOptions:
+    """--text (each file checked here, before anything loads; none: the command's embedded text), --seq-len,
+    --max-samples and --tokenizer."""
+    from .calibration import read_texts
 
-    return make_samples(texts, loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, args.seq_len, args.max_samples)
+    return rq.TextOptions(read_texts(args.text) if args.text else None, args.seq_len, args.max_samples,
+                          getattr(args, "tokenizer", None))
+
+
+def _engine(args) -> rq.EngineOptions:
+    return rq.EngineOptions(stream=not args.whole, device=args.device)
 
 
 def _say(text: str) -> None:
@@ -107,16 +116,14 @@ def _runtime_option(p, what: str) -> None:
 
 
 def _fp16_arith_option(p, what: str) -> None:
-    from .engine.fp16_arith import ARITHS, DEFAULT
-
-    p.add_argument("--fp16-arith", default=DEFAULT, choices=ARITHS,
+    p.add_argument("--fp16-arith", default=rq.DEFAULT_FP16_ARITH, choices=rq.FP16_ARITHS,
                    help=f"how {what} computes: emulated (float16 matrix products from float32 kernels, rounded once), "
                         "native (PyTorch's float16 kernels) or auto (default: emulated where proven and where PyTorch's "
                         "float16 products are slow)")
 
 
-def _device_option(p, what: str = "one block on it at a time") -> None:
-    p.add_argument("--device", default="auto", type=_device, help=f"cpu, cuda or auto (default: cuda when torch sees a GPU): {what}")
+def _device_option(p, what: str = "one block on it at a time", default: str = "auto") -> None:
+    p.add_argument("--device", default=default, type=_device, help=f"cpu, cuda or auto (default: cuda when torch sees a GPU): {what}")
 
 
 def _tokenizer_option(p) -> None:
@@ -125,28 +132,23 @@ def _tokenizer_option(p) -> None:
                         "one, or a model whose tokenizer files are broken (default: MODEL's own; none: text as byte ids)")
 
 
-def _tokenizer_kwarg(args) -> dict:
-    """`tokenizer=FOLDER` where --tokenizer was given, nothing otherwise (the API's calls stay as they were)."""
-    return {"tokenizer": args.tokenizer} if getattr(args, "tokenizer", None) else {}
-
-
 def _engine_options(p) -> None:
-    _device_option(p)
+    _device_option(p, default=rq.EngineOptions().device)
     p.add_argument("--whole", action="store_true",
                    help="load the whole model into memory instead of one block at a time from its shards (faster for small models)")
 
 
-def cmd_scan(args) -> int:
-    from .calibration import read_texts
-    from .display import scan_tables
-    from .io.loading import load_model
-    from .plots import plot_layer_peaks
-    from .scan import scan
+def scan_request(args) -> rq.ScanRequest:
+    return rq.ScanRequest(args.model, _text(args), rq.ScanOptions.checked(args.fp16_check, args.runtime, args.fp16_arith),
+                          _engine(args))
 
-    texts = read_texts(args.text)  # checked before the model loads
-    loaded = load_model(args.model, stream=not args.whole, device=args.device, **_tokenizer_kwarg(args))
-    report = scan(loaded.model, _samples(args, loaded, texts), fp16_check=args.fp16_check, name=args.model, runtime=args.runtime,
-                  fp16_arith=args.fp16_arith)
+
+def cmd_scan(args) -> int:
+    from .display import scan_tables
+    from .plots import plot_layer_peaks
+    from .scan import run_scan
+
+    report = run_scan(scan_request(args))
     scan_tables(report, console, top=args.top)
     _write_json(args.json, report.to_dict())
     if args.plot:
@@ -156,41 +158,40 @@ def cmd_scan(args) -> int:
     return 0
 
 
+def convert_request(args) -> rq.ConvertRequest:
+    return rq.ConvertRequest(
+        args.model, args.out, _text(args),
+        rq.PlanOptions.checked(args.headroom_bits, args.max_context, args.allow_unfixable, runtime=args.runtime,
+                               fp16_arith=args.fp16_arith),
+        long_sample=args.long_sample, overwrite=args.overwrite, engine=_engine(args), max_shard_size=args.max_shard_size,
+        to=args.to,
+    )
+
+
 def cmd_convert(args) -> int:
-    from .calibration import read_texts
-    from .convert import convert_checkpoint
+    from .convert import run_convert
     from .display import conversion_tables
     from .plots import plot_layer_peaks
-    from .runtime.profiles import get_profile
 
-    runtime = get_profile(args.runtime)
-    if args.to == "onnx":
-        from .export.onnx import check_folder_exportable, require_onnx
-
-        require_onnx()  # fail before the slow part
-        check_folder_exportable(args.model)
-        runtime = runtime.without_norm_stats()  # the graph prescales its norms; the checkpoint meets the rest
-    exported = []
-
-    def export(folder: Path) -> None:  # --to onnx: into the checkpoint's temporary folder, before it becomes OUT
-        from .export.onnx import add_onnx
+    request = convert_request(args)
+    exported, finish = [], None
+    if request.to == "onnx":
+        from .export.onnx import add_onnx, check_folder_exportable, require_onnx
         from .progress import phase
 
-        with phase("export"):  # recorded with convert_checkpoint's phases, after the write
-            exported.append(add_onnx(folder, runtime=args.runtime, final=args.out))
+        require_onnx()  # fail before the slow part
+        check_folder_exportable(request.source)
 
-    report = convert_checkpoint(
-        args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples,
-        headroom_bits=args.headroom_bits, allow_unfixable=args.allow_unfixable, overwrite=args.overwrite,
-        max_context=args.max_context, long_sample=args.long_sample, stream=not args.whole, device=args.device,
-        max_shard_size=args.max_shard_size, runtime=None if runtime.is_torch else runtime, fp16_arith=args.fp16_arith,
-        finish=export if args.to == "onnx" else None, **_tokenizer_kwarg(args),
-    )
+        def finish(folder: Path) -> None:  # into the checkpoint's temporary folder, before it becomes OUT
+            with phase("export"):  # recorded with the conversion's phases, after the write
+                exported.append(add_onnx(folder, runtime=request.export_runtime, final=request.out))
+
+    report = run_convert(request, finish)
     conversion_tables(report, console)
     _say(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")  # OUT is in place, the ONNX inside it
     for onnx_report in exported:
         shifts = [p["shift"] for p in onnx_report.norm_prescales.values()]
-        _say(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {args.runtime}: {len(shifts)} norms prescaled by "
+        _say(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {request.export_runtime.name}: {len(shifts)} norms prescaled by "
              f"2^-{min(shifts)} .. 2^-{max(shifts)} inside the norm" if shifts else "") + ")")
     _write_json(args.json, {"source": args.model, **report.to_dict(), "phases": report.phases})
     if args.plot:
@@ -202,13 +203,14 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def cmd_apply(args) -> int:
-    from .calibration import read_texts
-    from .convert import apply_checkpoint
+def apply_request(args) -> rq.ApplyRequest:
+    return rq.ApplyRequest(args.plan, args.model, args.out, _text(args), overwrite=args.overwrite, engine=_engine(args))
 
-    plan, after = apply_checkpoint(args.plan, args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len,
-                                   max_samples=args.max_samples, overwrite=args.overwrite, stream=not args.whole, device=args.device,
-                                   **_tokenizer_kwarg(args))
+
+def cmd_apply(args) -> int:
+    from .convert import run_apply
+
+    plan, after = run_apply(apply_request(args))
     peak = after.peak  # apply_checkpoint refuses (and writes nothing) when the result is not fp16-safe
     _say(f"applied {len(plan.tensors)} tensor rescales ({plan.family}) and wrote {args.out}")
     kept = "keeps" if peak.headroom_bits >= plan.headroom_bits else "does NOT keep"
@@ -230,7 +232,8 @@ def cmd_demo(args) -> int:
     out = Path(args.out) if args.out else cache_dir() / "demo" / f"{DEFAULT_MODEL}-fp16"
     console.rule(f"1/3  halfsafe scan {DEFAULT_MODEL}")
     loaded = load_model(DEFAULT_MODEL, stream=True)
-    samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.get_text_config().vocab_size, 512, 8)
+    samples = make_samples([default_text()], loaded.tokenizer, loaded.model.config.get_text_config().vocab_size,
+                           rq.SCAN_TEXT.seq_len, rq.SCAN_TEXT.max_samples)
     scan_tables(scan(loaded.model, samples, fp16_check=True, name=DEFAULT_MODEL), console, top=6)
     del loaded
     console.rule(Text(f"2/3  halfsafe convert {DEFAULT_MODEL} {out}"))  # a Text: the path as it is
@@ -257,20 +260,18 @@ def cmd_formats(args) -> int:
     return 0
 
 
-def cmd_finetune(args) -> int:
-    from .calibration import read_texts
-    from .training.finetune import FinetuneConfig, finetune_checkpoint
+def finetune_request(args) -> rq.FinetuneRequest:
+    config = rq.FinetuneConfig(steps=args.steps, threshold=args.threshold, margin_bits=args.margin_bits, lr=args.lr,
+                               penalty_weight=args.penalty_weight, polish_steps=args.polish_steps, train=args.train,
+                               save_every=args.save_every, headroom_bits=args.headroom_bits)
+    return rq.FinetuneRequest(args.model, args.out, _text(args), config, overwrite=args.overwrite, restart=args.restart,
+                              resume_from=args.resume_from, save_unconverged=args.save_unconverged, device=args.device)
 
-    config = FinetuneConfig(steps=args.steps, threshold=args.threshold, margin_bits=args.margin_bits, lr=args.lr,
-                            penalty_weight=args.penalty_weight, polish_steps=args.polish_steps, train=args.train,
-                            save_every=args.save_every,
-                            headroom_bits=args.headroom_bits)
-    config.check()  # bad numbers fail before loading anything
-    report, conversion, fp16 = finetune_checkpoint(
-        args.model, args.out, texts=read_texts(args.text), seq_len=args.seq_len, max_samples=args.max_samples, config=config,
-        overwrite=args.overwrite, restart=args.restart, resume_from=args.resume_from, save_unconverged=args.save_unconverged,
-        device=args.device, **_tokenizer_kwarg(args),
-    )
+
+def cmd_finetune(args) -> int:
+    from .training.finetune import run_finetune
+
+    report, conversion, fp16 = run_finetune(finetune_request(args))  # bad numbers fail before loading anything
     res = conversion.plan.exponents.get("residual")
     console.print(f"exact rescale first: {len(conversion.plan.tensors)} tensors" + (f", residual x 2^{res}" if res else ""))
     if report.resumed_from_step is not None:
@@ -284,18 +285,20 @@ def cmd_finetune(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
-    from .calibration import read_texts
-    from .display import verify_tables
-    from .verify import verify, write_plots
-
-    texts = read_texts(args.text) if args.text else None  # default: the embedded held-out text
-    report = verify(  # progress: halfsafe.progress, per phase
-        args.model, args.converted, texts=texts, text_names=[Path(t).name for t in args.text] if args.text else None,
-        seq_len=args.seq_len, max_samples=args.max_samples or None, greedy_tokens=args.greedy_tokens,
-        device=args.device, stream=not args.whole, runtime=args.runtime, fp16_arith=args.fp16_arith,
-        **({"tokenizer_folder": args.tokenizer} if args.tokenizer else {}),
+def verify_request(args) -> rq.VerifyRequest:
+    return rq.VerifyRequest(  # texts: the embedded held-out text unless --text; --max-samples 0: the whole text
+        args.model, args.converted, replace(_text(args), max_samples=args.max_samples or None),
+        text_names=[Path(t).name for t in args.text] if args.text else None, greedy_tokens=args.greedy_tokens,
+        engine=_engine(args), fp16=rq.Fp16Options.checked(args.runtime, args.fp16_arith),
     )
+
+
+def cmd_verify(args) -> int:
+    from .display import verify_tables
+    from .verify import write_plots
+    from .verify.compare import run_verify
+
+    report = run_verify(verify_request(args))  # progress: halfsafe.progress, per phase
     verify_tables(report, console)
     _write_json(args.json, report.to_dict())
     if args.plot:
@@ -304,12 +307,18 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def export_request(args) -> rq.ExportRequest:
+    return rq.ExportRequest(args.converted, args.out, args.format, overwrite=args.overwrite, scan=args.scan,
+                            runtime=rq.runtime_profile(args.runtime))
+
+
 def cmd_export(args) -> int:
-    from .export.onnx import export_onnx
+    from .export.onnx import run_export
     from .progress import phase
 
-    with phase("export"):
-        report = export_onnx(args.converted, args.out, overwrite=args.overwrite, scan=args.scan, runtime=args.runtime)  # warns if not converted
+    request = export_request(args)
+    with phase("export"):  # warns if not converted
+        report = run_export(request)
     _say(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
     if report.norm_prescales:
         shifts = [p["shift"] for p in report.norm_prescales.values()]
@@ -325,12 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scan", help="measure where a model would overflow float16")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r} (default)")
-    _add_text_args(p)
+    _add_text_args(p, rq.SCAN_TEXT)
     p.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks against the fp16 limit (PATH's suffix names "
                    "the format, e.g. .pdf or .svg; none: PATH.png)")
     p.add_argument("--fp16-check", action="store_true", help="also run in fp16 and name the first module that turns non-finite")
-    p.add_argument("--top", type=_count(1), default=12, help="rows in the tightest-tensors table")
+    p.add_argument("--top", type=_count(1), default=rq.TOP, help="rows in the tightest-tensors table")
     _runtime_option(p, "also measure what would overflow")
     _fp16_arith_option(p, "--fp16-check")
     _engine_options(p)
@@ -340,14 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="rescale a model exactly so it runs in float16; save an fp16 checkpoint")
     p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
-    _add_text_args(p)
+    _add_text_args(p, rq.CONVERT_TEXT)
     p.add_argument("--max-context", type=_count(1), metavar="N", help="make the margin for contexts up to N tokens (default: the model's longest)")
     p.add_argument("--headroom-bits", type=_number, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
     p.add_argument("--long-sample", type=_count(2), metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
-    p.add_argument("--to", choices=("onnx",), help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
+    p.add_argument("--to", choices=rq.TARGETS, help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON: halfsafe.json's content and the time each phase took")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                    help=f"largest output weight file, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE}, as the hub expects; bigger "
@@ -359,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("export", help="export a converted checkpoint to another runtime's format (fp16 ONNX)")
-    p.add_argument("format", choices=("onnx",), help="onnx: fp16 ONNX for ONNX Runtime / transformers.js (onnx/model_fp16.onnx)")
+    p.add_argument("format", choices=rq.FORMATS, help="onnx: fp16 ONNX for ONNX Runtime / transformers.js (onnx/model_fp16.onnx)")
     p.add_argument("converted", help="the folder `halfsafe convert` wrote")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
@@ -373,16 +382,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model folder (same architecture and sizes as the plan's)")
     _engine_options(p)
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
-    _add_text_args(p, seq_len=256, max_samples=2)
+    _add_text_args(p, rq.APPLY_TEXT)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
     _tokenizer_option(p)
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("demo", help=f"scan, convert and verify the built-in {DEFAULT_MODEL} and print the tables")
     p.add_argument("--out", help="where to write the converted checkpoint (default: in the halfsafe cache; replaced)")
-    p.add_argument("--seq-len", type=_count(2), default=512, help="verify: tokens per held-out sample (default 512)")
-    p.add_argument("--max-samples", type=_count(1), default=2, help="verify: held-out samples (default 2)")
-    p.add_argument("--greedy-tokens", type=_count(0), default=32, help="verify: greedy tokens compared with fp32 (default 32)")
+    p.add_argument("--seq-len", type=_count(2), default=rq.VERIFY_TEXT.seq_len,
+                   help=f"verify: tokens per held-out sample (default {rq.VERIFY_TEXT.seq_len})")
+    p.add_argument("--max-samples", type=_count(1), default=rq.VERIFY_TEXT.max_samples,
+                   help=f"verify: held-out samples (default {rq.VERIFY_TEXT.max_samples})")
+    p.add_argument("--greedy-tokens", type=_count(0), default=rq.GREEDY_TOKENS,
+                   help=f"verify: greedy tokens compared with fp32 (default {rq.GREEDY_TOKENS})")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("formats", help="bf16 / fp16 / fp32 side by side")
@@ -393,17 +405,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="where no exact rescale reaches: fine-tune peaks below a threshold (KL to the original); save fp16")
     p.add_argument("model", help=f"model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("out", help="output folder (must not exist unless --overwrite); unfinished state is kept in .OUT.partial beside it")
-    _add_text_args(p, seq_len=256)
-    p.add_argument("--steps", type=_count(0), default=500, help="optimizer steps at most (default 500); a rerun with more continues")
-    p.add_argument("--threshold", type=_number, default=16384.0, help="every activation must end below this |x| (default 16384: 2 bits under 65504)")
-    p.add_argument("--margin-bits", type=_number, default=0.25, help="stop once watched peaks are this many bits under the threshold (default 0.25)")
-    p.add_argument("--lr", type=_number, default=3e-2, help="relative step: each tensor moves by about lr x its RMS (default 0.03)")
-    p.add_argument("--penalty-weight", type=_number, default=1.0, help="weight of the hinge penalty against the KL term (default 1)")
-    p.add_argument("--polish-steps", type=_count(0), default=50, help="steps after the peaks first meet the target, for the KL to recover (default 50)")
-    p.add_argument("--train", choices=("parent", "blocks", "all"), default="parent",
+    _add_text_args(p, rq.FINETUNE_TEXT)
+    ft = rq.FinetuneConfig()  # the defaults
+    p.add_argument("--steps", type=_count(0), default=ft.steps, help=f"optimizer steps at most (default {ft.steps}); a rerun with more continues")
+    p.add_argument("--threshold", type=_number, default=ft.threshold,
+                   help=f"every activation must end below this |x| (default {ft.threshold:g}: 2 bits under 65504)")
+    p.add_argument("--margin-bits", type=_number, default=ft.margin_bits,
+                   help=f"stop once watched peaks are this many bits under the threshold (default {ft.margin_bits:g})")
+    p.add_argument("--lr", type=_number, default=ft.lr, help=f"relative step: each tensor moves by about lr x its RMS (default {ft.lr:g})")
+    p.add_argument("--penalty-weight", type=_number, default=ft.penalty_weight,
+                   help=f"weight of the hinge penalty against the KL term (default {ft.penalty_weight:g})")
+    p.add_argument("--polish-steps", type=_count(0), default=ft.polish_steps,
+                   help=f"steps after the peaks first meet the target, for the KL to recover (default {ft.polish_steps})")
+    p.add_argument("--train", choices=rq.TRAIN_MODES, default=ft.train,
                    help="what trains: the module around each watched site (default: a gate's MLP), its whole block, or all")
-    p.add_argument("--headroom-bits", type=_number, default=2.0, help="headroom of the exact rescale that runs first (default 2)")
-    p.add_argument("--save-every", type=_count(1), default=10, help="steps between training-state saves (default 10)")
+    p.add_argument("--headroom-bits", type=_number, default=ft.headroom_bits,
+                   help=f"headroom of the exact rescale that runs first (default {ft.headroom_bits:g})")
+    p.add_argument("--save-every", type=_count(1), default=ft.save_every, help=f"steps between training-state saves (default {ft.save_every})")
     p.add_argument("--resume-from", metavar="STATE", help="resume from this state file instead of OUT's partial folder")
     p.add_argument("--restart", action="store_true", help="discard a saved training state and start over")
     p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
@@ -417,9 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"the original: model folder, .gguf file, cached hub id, or {DEFAULT_MODEL!r}")
     p.add_argument("converted", nargs="?", help="the fp16 checkpoint `halfsafe convert` wrote from MODEL (optional)")
     p.add_argument("--text", action="append", metavar="FILE", help="text file to measure on (repeatable; default: the embedded held-out text)")
-    p.add_argument("--seq-len", type=_count(2), default=512, help="tokens per sample (default 512)")
-    p.add_argument("--max-samples", type=_count(0), default=2, help="samples per text at most (default 2; 0: the whole text)")
-    p.add_argument("--greedy-tokens", type=_count(0), default=32, help="greedy tokens generated from the start of each text (default 32; 0: none)")
+    p.add_argument("--seq-len", type=_count(2), default=rq.VERIFY_TEXT.seq_len, help=f"tokens per sample (default {rq.VERIFY_TEXT.seq_len})")
+    p.add_argument("--max-samples", type=_count(0), default=rq.VERIFY_TEXT.max_samples,
+                   help=f"samples per text at most (default {rq.VERIFY_TEXT.max_samples}; 0: the whole text)")
+    p.add_argument("--greedy-tokens", type=_count(0), default=rq.GREEDY_TOKENS,
+                   help=f"greedy tokens generated from the start of each text (default {rq.GREEDY_TOKENS}; 0: none)")
     p.add_argument("--json", metavar="PATH", help="write every metric, per variant and per text, as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of KL per variant, and PATH-layers.png of per-layer peaks before/after")
     _runtime_option(p, "also run fp16 and the converted checkpoint")

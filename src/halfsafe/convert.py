@@ -16,7 +16,7 @@ from .core.formats import FP16_MAX, FP16_MIN_NORMAL
 from .core.forward import logits as forward_logits
 from .core.forward import prefix, sample_tokens
 from .core.groups import expand
-from .core.margin import Margin, check_options, choose_margin
+from .core.margin import Margin, choose_margin
 from .core.metrics import mean_kl, top1_agreement
 from .core.plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
 from .core.rewrite import apply_exponents_, model_key, trial
@@ -24,19 +24,30 @@ from .core.shrink import probe_governed
 from .core.sites import Site
 from .core.weights import value_blocks, weights_of
 from .engine.device import return_freed_memory
-from .engine.fp16_arith import check_arith
 from .engine.fp16_arith import resolve as resolve_arith
 from .engine.precision import in_dtype
 from .engine.reads import Reads
-from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .errors import HalfsafeError, UnfixableOverflowError
 from .families import family_for
 from .io.report import Applied, Conversion, Record, ScanAfter
 from .job import Job, Options, Output, run
 from .progress import phase, recorded
+from .requests import (
+    APPLY_TEXT,
+    CANDIDATES,
+    CONVERT_TEXT,
+    DEFAULT_MAX_SHARD_SIZE,
+    ApplyRequest,
+    ConvertRequest,
+    EngineOptions,
+    Fp16Options,
+    PlanOptions,
+    ScanOptions,
+    TextOptions,
+)
 from .runtime.choose import choose
-from .runtime.profiles import get_profile
-from .scan import ScanReport, scan
+from .runtime.profiles import RuntimeProfile
+from .scan import ScanReport, scan, scan_with
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 32
@@ -207,11 +218,11 @@ def plan_fp16_safe(
     tokenizer=None,
     headroom_bits: float | None = None,
     allow_unfixable: bool = False,
-    candidates: int = 3,
+    candidates: int = CANDIDATES,
     progress: bool = True,
     scan_report: ScanReport | None = None,
     max_context: int | None = None,
-    runtime: str | None = None,
+    runtime: str | RuntimeProfile | None = None,
     fp16_arith: str | None = None,
 ) -> ConversionReport:
     """Measure `model` (float32 weights) and choose a plan; the model is left as it was.
@@ -219,19 +230,30 @@ def plan_fp16_safe(
     is made for `max_context` tokens (default: the model's longest context) by `halfsafe.core.margin`'s rule;
     `headroom_bits` sets it instead. `runtime`: a runtime profile (halfsafe.runtime.profiles) other than "torch" chooses the
     plan under that profile's float16 arithmetic, or refuses (halfsafe.runtime.choose). `fp16_arith`: how the
-    candidates' float16 computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith)."""
-    profile = get_profile(runtime)
-    arith = resolve_arith(fp16_arith, model)
-    family = family_for(model.config.model_type)
-    groups = expand(family, model)
+    candidates' float16 computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith).
+    The options become one checked `PlanOptions` (halfsafe.requests) before anything runs: `plan_with`."""
+    options = PlanOptions.checked(headroom_bits, max_context, allow_unfixable, candidates, runtime, fp16_arith)
     if samples is None:
         samples = default_samples(model, tokenizer)
+    return plan_with(model, samples, options, progress, scan_report)
+
+
+@torch.no_grad()
+def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: PlanOptions, progress: bool = True,
+              scan_report: ScanReport | None = None) -> ConversionReport:
+    """`plan_fp16_safe` for options already checked."""
+    profile = options.runtime
+    arith = resolve_arith(options.fp16.fp16_arith, model)
+    family = family_for(model.config.model_type)
+    groups = expand(family, model)
     reads = Reads()
     with reads.phase(model, "scan"):
-        report = scan_report or scan(model, samples, progress=progress, runtime=profile)
+        report = scan_report or scan_with(model, samples, ScanOptions(fp16=options.fp16), progress)
     return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
-    margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), max_context, headroom_bits)
+    margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), options.margin.max_context,
+                           options.margin.headroom_bits)
     headroom_bits = margin.bits
+    candidates, allow_unfixable = options.candidates, options.allow_unfixable
     with reads.phase(model, "plan"):
         with phase("probe", quiet=not progress):
             governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
@@ -309,7 +331,7 @@ def _choose_under(profile, model, family, groups, constraints, reference, headro
                   progress):
     """convert --runtime: the candidates measured under the profile (halfsafe.runtime.choose), as Candidates."""
     rt = report.runtime if report.runtime is not None and report.runtime.profile == profile else \
-        scan(model, samples, progress=progress, runtime=profile).runtime
+        scan_with(model, samples, ScanOptions(fp16=Fp16Options(profile)), progress).runtime
     usual = candidate_exponents(groups, constraints, headroom_bits, n)
     exps, info = choose(model, family, groups, constraints, headroom_bits, usual, eval_ids, ref, rt)
     tried = []
@@ -324,14 +346,25 @@ def _eval_ids(samples: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = None, tokenizer=None, **options) -> ConversionReport:
+def make_fp16_safe(model: PreTrainedModel, samples: list[torch.Tensor] | None = None, tokenizer=None,
+                   headroom_bits: float | None = None, allow_unfixable: bool = False, candidates: int = CANDIDATES,
+                   progress: bool = True, max_context: int | None = None, runtime: str | RuntimeProfile | None = None,
+                   fp16_arith: str | None = None) -> ConversionReport:
     """Rescale `model` (float32 weights) in place so that, cast to float16, it computes what it did
     in float32 without overflow. Options as for `plan_fp16_safe`. Returns what was measured, chosen
     and checked: the fp16 storage error of every touched tensor and the fp32 output change."""
+    options = PlanOptions.checked(headroom_bits, max_context, allow_unfixable, candidates, runtime, fp16_arith)
     if samples is None:
         samples = default_samples(model, tokenizer)
-    report = plan_fp16_safe(model, samples, **options)
-    quiet = not options.get("progress", True)
+    return rescale_with(model, samples, options, progress)
+
+
+@torch.no_grad()
+def rescale_with(model: PreTrainedModel, samples: list[torch.Tensor], options: PlanOptions,
+                 progress: bool = True) -> ConversionReport:
+    """`make_fp16_safe` for options already checked."""
+    report = plan_with(model, samples, options, progress)
+    quiet = not progress
     eval_ids = _eval_ids(samples)
     with report.reads.phase(model, "apply"):
         # the fp32 logits on eval_ids of the model as it was: planning measured them and left the model as it was
@@ -408,13 +441,12 @@ def check_storage(storage: list[dict], fix: str) -> None:
             raise HalfsafeError(f"the plan flushes {row['param']} to zero in float16 ({after['fp16_rel_error']:.0%} of it lost): {fix}")
 
 
-@recorded  # report.phases: the time each phase took, for the --json report; halfsafe.json holds no timings
 def convert_checkpoint(
     source: str,
     out: str,
     texts: list[str] | None = None,
-    seq_len: int = 512,
-    max_samples: int | None = 8,
+    seq_len: int = CONVERT_TEXT.seq_len,
+    max_samples: int | None = CONVERT_TEXT.max_samples,
     headroom_bits: float | None = None,
     allow_unfixable: bool = False,
     overwrite: bool = False,
@@ -424,7 +456,7 @@ def convert_checkpoint(
     stream: bool = True,
     device: str = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    runtime: str | None = None,
+    runtime: str | RuntimeProfile | None = None,
     fp16_arith: str | None = None,
     tokenizer: str | None = None,
     finish: Callable[[Path], None] | None = None,
@@ -433,37 +465,53 @@ def convert_checkpoint(
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`.
     `tokenizer`: a folder to take the tokenizer from (and save with the result) instead of MODEL's own.
-    `finish(folder)` adds to the saved checkpoint in its temporary folder before it becomes `out` (convert --to onnx)."""
-    def check() -> None:
-        check_options(max_context, headroom_bits)
-        get_profile(runtime)  # an unknown profile fails here
-        check_arith(fp16_arith)
-        if long_sample is not None and long_sample < 2:
-            raise HalfsafeError(f"--long-sample {long_sample} is too short: use at least 2 tokens")
+    `finish(folder)` adds to the saved checkpoint in its temporary folder before it becomes `out` (convert --to onnx).
+    The options become one checked `ConvertRequest` (halfsafe.requests) before anything runs: `run_convert`."""
+    request = ConvertRequest(
+        source, out, TextOptions(texts, seq_len, max_samples, tokenizer),
+        PlanOptions.checked(headroom_bits, max_context, allow_unfixable, runtime=runtime, fp16_arith=fp16_arith),
+        long_sample=long_sample, overwrite=overwrite, progress=progress, engine=EngineOptions(stream, device),
+        max_shard_size=max_shard_size,
+    )
+    return run_convert(request, finish)
+
+
+@recorded  # report.phases: the time each phase took, for the --json report; halfsafe.json holds no timings
+def run_convert(request: ConvertRequest, finish: Callable[[Path], None] | None = None) -> ConversionReport:
+    """`halfsafe convert`: `request` loaded, made fp16-safe under its checkpoint's runtime profile and saved;
+    `finish(folder)` as for `convert_checkpoint`."""
+    plan, source, long_sample = request.checkpoint_plan, request.source, request.long_sample
 
     def work(job: Job) -> Output[ConversionReport]:
-        profiled = {} if get_profile(runtime).is_torch else {"runtime": runtime}
         model = job.loaded.model
-        report = make_fp16_safe(model, job.samples, headroom_bits=headroom_bits, allow_unfixable=allow_unfixable,
-                                progress=progress, max_context=max_context, fp16_arith=fp16_arith, **profiled)
+        report = rescale_with(model, job.samples, plan, request.progress)
         check_storage(report.storage, "refusing to save (please report this)")
         # halfsafe.json, written after the weights, counts their read
         return Output(report, lambda: report.record(str(source)), report.reads.phase(model, "write"))
 
-    options = Options(overwrite, stream, device, progress, texts, seq_len, max_samples, max_shard_size, tokenizer)
+    options = Options(text=request.text, engine=request.engine, overwrite=request.overwrite, progress=request.progress,
+                      max_shard_size=request.max_shard_size)
     # the long sample goes last: samples[0] stays the probe/eval input
-    return run(source, out, options, work, check, (lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None,
-               finish=finish)
+    return run(source, request.out, options, work,
+               extra=(lambda tok, vocab: long_sample_ids(tok, vocab, long_sample)) if long_sample else None, finish=finish)
 
 
 def apply_checkpoint(
-    plan_path: str, source: str, out: str, texts: list[str] | None = None, seq_len: int = 256, max_samples: int | None = 2,
-    overwrite: bool = False, progress: bool = True, stream: bool = True, device: str = "auto", tokenizer: str | None = None,
+    plan_path: str, source: str, out: str, texts: list[str] | None = None, seq_len: int = APPLY_TEXT.seq_len,
+    max_samples: int | None = APPLY_TEXT.max_samples, overwrite: bool = False, progress: bool = True, stream: bool = True,
+    device: str = "auto", tokenizer: str | None = None,
 ) -> tuple[Plan, ScanReport]:
     """Re-apply a saved plan (plan.json, or a converted folder's halfsafe.json) to another checkpoint of the same
     architecture (typically a fine-tune of the same base), scan the result briefly and save it as fp16. Refused, with
     nothing written, when the plan would ruin a tensor's fp16 copy or the scan finds the result not fp16-safe (a
     fine-tune can grow activations); the returned scan says whether the plan's margin was kept."""
+    return run_apply(ApplyRequest(plan_path, source, out, TextOptions(texts, seq_len, max_samples, tokenizer), overwrite,
+                                  progress, EngineOptions(stream, device)))
+
+
+def run_apply(request: ApplyRequest) -> tuple[Plan, ScanReport]:
+    """`halfsafe apply`, as `apply_checkpoint`."""
+    plan_path, source, progress = request.plan_path, request.source, request.progress
     plans: list[Plan] = []
 
     def check() -> None:
@@ -483,5 +531,6 @@ def apply_checkpoint(
                             margin_kept=peak.headroom_bits >= plan.headroom_bits)
         return Output((plan, after), Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage)))
 
-    return run(source, out, Options(overwrite, stream, device, progress, texts, seq_len, max_samples, tokenizer=tokenizer), work,
-               check, loaded_check=lambda loaded: check_plan(loaded.model, plans[0]))  # a plan that does not fit: before the slow part
+    options = Options(text=request.text, engine=request.engine, overwrite=request.overwrite, progress=progress)
+    return run(source, request.out, options, work, check,
+               loaded_check=lambda loaded: check_plan(loaded.model, plans[0]))  # a plan that does not fit: before the slow part

@@ -18,10 +18,10 @@ from typing import Generic, TypeVar
 
 import torch
 
-from .engine.write import DEFAULT_MAX_SHARD_SIZE
 from .io.loading import LoadedModel
 from .io.report import Record
 from .progress import phase
+from .requests import DEFAULT_MAX_SHARD_SIZE, EngineOptions, TextOptions
 
 # The io/, families and calibration imports inside run, check_output, start and calibration are read when called: the
 # tests replace the slow steps (load_model, check_out_dir, save_fp16_checkpoint, make_samples) in those modules.
@@ -48,36 +48,35 @@ class Output(Generic[T]):
 
 @dataclass(frozen=True)
 class Options:
-    """The options every command that writes a checkpoint takes, with their one default each."""
+    """What `run` takes of a command's request (halfsafe.requests): built from it by keyword, never from defaults
+    of its own."""
 
-    overwrite: bool = False
-    stream: bool = True  # block by block from the shards (halfsafe.engine) where the layout allows
-    device: str = "auto"
-    progress: bool = True
-    texts: list[str] | None = None  # the calibration texts; None: the embedded one
-    seq_len: int = 512
-    max_samples: int | None = 8
+    text: TextOptions  # the calibration text, its samples, the tokenizer's folder
+    engine: EngineOptions  # streamed or whole, and on which device
+    overwrite: bool
+    progress: bool
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # "5GB", "500MiB" or bytes (io.checkpoint.shard_size)
-    tokenizer: str | None = None  # a folder holding the tokenizer (--tokenizer); None: MODEL's own
 
 
 def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: Callable[[], None] | None = None,
         extra: Extra | None = None, loaded_check: Callable[[LoadedModel], None] | None = None,
         finish: Callable[[Path], None] | None = None) -> T:
-    """load -> samples -> work -> save. `check` checks the command's own options (after the output, before loading);
+    """load -> samples -> work -> save. `check` makes the command's own checks that need more than its request (a
+    plan file read, a state folder looked at: after the output, before loading); the request was checked when made;
     `loaded_check(loaded)` what needs the model, right after it loads (before the samples and the work);
     `extra(tokenizer, vocab)`, when given, is one more sample, appended after the text's; `finish(folder)` adds to
     the saved checkpoint in its temporary folder, before it becomes OUT (io.checkpoint.save_fp16_checkpoint)."""
     from .io.checkpoint import save_fp16_checkpoint, shard_size
 
-    check_output(source, out, options.overwrite, options.tokenizer)  # the output, then the options, before the slow part
+    text, engine = options.text, options.engine
+    check_output(source, out, options.overwrite, text.tokenizer)  # the output, then the command's checks, before the slow part
     if check is not None:
         check()
     max_shard_size = shard_size(options.max_shard_size)
-    loaded = start(source, out, options.overwrite, options.stream, options.device, options.progress, options.tokenizer)
+    loaded = start(source, out, options.overwrite, engine.stream, engine.device, options.progress, text.tokenizer)
     if loaded_check is not None:
         loaded_check(loaded)
-    job, tokenizer = calibration(loaded, options.texts, options.seq_len, options.max_samples, extra)
+    job, tokenizer = calibration(loaded, text.text_list, text.seq_len, text.max_samples, extra)
     done = work(job)
     with done.writing:
         save_fp16_checkpoint(loaded.model, tokenizer(), out, done.record, loaded.folder, options.overwrite, max_shard_size,

@@ -10,15 +10,18 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
+from .calibration import make_samples, read_texts
 from .core.formats import FP16_MAX
 from .core.forward import model_inputs, prefix, run_for_stats
 from .core.sites import Site, block_of, find_blocks, headroom_bits
 from .core.stats import ActivationCollector, SiteStats
-from .engine.fp16_arith import check_arith, resolve
+from .engine.fp16_arith import resolve
 from .engine.pipeline import in_step
 from .engine.precision import in_dtype
+from .io.loading import load_model
 from .progress import phase
-from .runtime.profiles import get_profile
+from .requests import ScanOptions, ScanRequest
+from .runtime.profiles import RuntimeProfile
 from .runtime.stats import RuntimeCollector, RuntimeScan
 
 FP16_CHECK_TOKENS = 128  # fp16 matmuls are slow on CPUs; the first overflow shows within a short prefix
@@ -169,12 +172,18 @@ def _fp16_forward(half: PreTrainedModel, ids) -> None:
 
 
 def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool = False, progress: bool = True, name: str = "",
-         runtime: "str | None" = None, fp16_arith: str | None = None) -> ScanReport:
+         runtime: "str | RuntimeProfile | None" = None, fp16_arith: str | None = None) -> ScanReport:
     """Measure every module's activations on `samples` (the model's own dtype, normally float32); `runtime`: also
     the quantities that runtime profile computes in float16 (halfsafe.runtime.stats; "torch": none). `fp16_arith`:
-    how the fp16 check computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith)."""
-    profile = get_profile(runtime)
-    check_arith(fp16_arith)
+    how the fp16 check computes ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith).
+    The options become one checked `ScanOptions` (halfsafe.requests): `scan_with`."""
+    return scan_with(model, samples, ScanOptions.checked(fp16_check, runtime, fp16_arith), progress, name)
+
+
+def scan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: ScanOptions, progress: bool = True,
+              name: str = "") -> ScanReport:
+    """`scan` for options already checked."""
+    profile = options.runtime
     extra = RuntimeCollector(model, profile) if not profile.is_torch else None
     sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext())
     report = ScanReport(
@@ -186,9 +195,19 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
         layers=layer_peaks(model, sites),
         runtime=extra.scan if extra is not None else None,
     )
-    if fp16_check:
-        report.fp16_arith = resolve(fp16_arith, model)
+    if options.fp16_check:
+        report.fp16_arith = resolve(options.fp16.fp16_arith, model)
         with phase("fp16 check", model, passes=min(len(samples), 2), quiet=not progress):
             report.first_nonfinite_fp16 = first_nonfinite_in_fp16(model, samples, report.fp16_arith["used"])
         report.fp16_checked = True
     return report
+
+
+def run_scan(request: ScanRequest) -> ScanReport:
+    """`halfsafe scan`: the request's model loaded, its samples cut, scanned."""
+    text = request.text
+    loaded = load_model(request.model, stream=request.engine.stream, device=request.engine.device,
+                        **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
+    samples = make_samples(text.text_list or read_texts(None), loaded.tokenizer,
+                           loaded.model.config.get_text_config().vocab_size, text.seq_len, text.max_samples)
+    return scan_with(loaded.model, samples, request.options, request.progress, name=str(request.model))

@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..errors import HalfsafeError
-
 # Measured by bench/context_study.py on Gemma 3 270M (fp32) from 128 to 32768 tokens (its full context):
 # the peak is a massive activation on one fixed residual channel (163) at every position, the largest at
 # BOS (103,821, block 14: position 0 sees only itself, so the same for every text and length); at other
@@ -60,18 +58,10 @@ def model_context_length(config) -> int | None:
     return None
 
 
-def check_options(max_context: int | None, headroom_bits: float | None) -> None:
-    """Bad numbers fail before anything slow runs."""
-    if max_context is not None and max_context < 1:
-        raise HalfsafeError(f"--max-context {max_context} is not a context length: pass a positive number of tokens")
-    if headroom_bits is not None and not 0 <= headroom_bits < 16:
-        raise HalfsafeError(f"--headroom-bits {headroom_bits} is out of range: use a number of bits from 0 to 15")
-
-
 def choose_margin(config, calibrated_tokens: int, max_context: int | None = None, headroom_bits: float | None = None) -> Margin:
     """The margin for `max_context` tokens (default: the model's own longest context, else the
-    calibrated length). An explicit `headroom_bits` overrides the rule."""
-    check_options(max_context, headroom_bits)
+    calibrated length). An explicit `headroom_bits` overrides the rule. Both were checked where they were asked for
+    (halfsafe.requests.MarginOptions)."""
     context = max_context or model_context_length(config) or calibrated_tokens
     if headroom_bits is not None:
         return Margin(context, calibrated_tokens, float(headroom_bits), "set by --headroom-bits")

@@ -24,11 +24,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..core.weights import compute_device
-from ..errors import HalfsafeError
+from .choices import AUTO, EMULATED, NATIVE  # the option's names, default and check: one place (engine.choices)
+from .choices import DEFAULT_FP16_ARITH as DEFAULT  # noqa: F401  (emulated where proven and slow: resolve)
+from .choices import FP16_ARITHS as ARITHS  # noqa: F401
+from .choices import check_fp16_arith as check_arith
 
-AUTO, EMULATED, NATIVE = "auto", "emulated", "native"
-ARITHS = (AUTO, EMULATED, NATIVE)
-DEFAULT = AUTO  # emulated where proven and where PyTorch's float16 products are slow (resolve)
 SLOW = 2.0  # float16 products this many times slower than float32 ones make "auto" emulate
 
 # model_type -> why the emulation is not used for it: families where bench/fp16_arith.py (and
@@ -66,14 +66,6 @@ class Fp32MatrixKernels(TorchDispatchMode):
             out = func(*tree_map(_up, args), **tree_map(_up, kwargs))
             return out.to(torch.float16)
         return func(*args, **kwargs)
-
-
-def check_arith(asked: str | None) -> str:
-    """The option as given (None: the default); an unknown name is a one-line error."""
-    asked = DEFAULT if asked is None else asked
-    if asked not in ARITHS:
-        raise HalfsafeError(f"unknown --fp16-arith {asked!r}: use {' or '.join(ARITHS)}")
-    return asked
 
 
 @functools.cache

@@ -22,14 +22,11 @@ from halfsafe_serve.fingerprint import remember
 
 from ..errors import HalfsafeError
 from ..progress import phase
+from .choices import DEFAULT_MAX_SHARD_SIZE  # the hub's own default (engine.choices)
 from .precision import cast_copy
 from .shards import row_spans
 from .streamed import Streamed, saved_name, streamed_of
 
-# the shard size the hub's own serializer defaults to (huggingface_hub.serialization's MAX_SHARD_SIZE, "5GB");
-# transformers 5's save_pretrained and push_to_hub default to 50GB per file, more than the hub and most tools expect.
-# A checkpoint under 5 GB is one model.safetensors either way.
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 _NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
           torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # safetensors orders a file's tensors by dtype (its enum, largest first), then by name

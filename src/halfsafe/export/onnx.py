@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import HalfsafeError
+from ..requests import ExportRequest
 from ..runtime.profiles import RuntimeProfile, get_profile
 from .contract import Exporter
 from .exporters import exporter_for_folder
@@ -160,6 +161,11 @@ def _write_graphs(exporter: Exporter, model, profile: RuntimeProfile, folder: Pa
     exporter.finish(folder, name)
     seal(folder)
     return rel, split
+
+
+def run_export(request: ExportRequest) -> OnnxExportReport:
+    """`halfsafe export onnx`: the request's checkpoint as an fp16 ONNX model folder, for its runtime profile."""
+    return export(request.converted, request.out, runtime=request.runtime, overwrite=request.overwrite, scan=request.scan)
 
 
 def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False,

@@ -37,7 +37,7 @@ def split_head_(model: nn.Module, profile: RuntimeProfile, groups: int = HEAD_GR
     (1: unchanged)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     chunk = profile.matmul_chunk
-    if not chunk or not isinstance(head, nn.Linear):
+    if not profile.accumulates_fp16 or chunk is None or not isinstance(head, nn.Linear):
         return 1
     groups = min(groups, head.weight.shape[1] // chunk)
     if groups < 2:

@@ -53,7 +53,8 @@ def prescaled_norms(model: nn.Module, profile: RuntimeProfile) -> dict[str, nn.M
     """The norms `profile` computes statistics of in float16: RMSNorm-type ones and/or nn.LayerNorm."""
     out = {}
     for name, m in model.named_modules():
-        if (profile.rms_stats_fp16 and is_rms_norm(m)) or (profile.layernorm_fp16 and isinstance(m, nn.LayerNorm)):
+        rms = is_rms_norm(m)
+        if (rms or isinstance(m, nn.LayerNorm)) and profile.norm_stats_in_fp16(rms):
             out[name] = m
     return out
 

@@ -16,22 +16,23 @@ def rewrite_for(profile: RuntimeProfile, model, folder: Path) -> tuple[dict[str,
     from .onnx_accumulate import split_head_
 
     prescales = {}
-    if profile.norm_stats_fp16:
+    if profile.prescales_norms:
         from .onnx_norms import calibration_ids, prescale_norms_
 
         ids = calibration_ids(folder, model.config.get_text_config().vocab_size)
         prescales = {n: p.to_dict() for n, p in prescale_norms_(model, profile, ids).items()}
-    return prescales, 1 if max(profile.split_k) > 1 else split_head_(model, profile)
+    return prescales, split_head_(model, profile) if profile.splits_head else 1
 
 
 def split_graph(profile: RuntimeProfile | None, program, counts: dict | None = None) -> None:
     """`profile`'s split-K rewrite (halfsafe.export.onnx_split_k) on an exported graph, in place; the products split
     per kind added to `counts`."""
-    if profile is None or max(profile.split_k) < 2:
+    split = profile.onnx_split_k if profile is not None else None
+    if split is None:
         return
     from .onnx_split_k import split_matmuls_
 
-    linear, head, attention = profile.split_k
+    linear, head, attention = split
     done = split_matmuls_(program, linear=linear, head=head, attention=attention)
     if counts is not None:
         counts.setdefault("groups", done.groups)

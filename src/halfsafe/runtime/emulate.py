@@ -35,7 +35,7 @@ from ..core.linears import is_linear, out_in_weight
 from ..engine.wide import WideWeight
 from ..errors import HalfsafeError
 from .baselines import RuntimeHandle
-from .profiles import RuntimeProfile, get_profile
+from .profiles import FP16_STATS, GRAPH_KERNELS, RuntimeProfile
 
 ATTENTION_NAME = "halfsafe_fp16"
 WEBGPU_ATTENTION_NAME = "halfsafe_ort_webgpu"
@@ -153,10 +153,10 @@ def _graph_norm_forward(original, profile: RuntimeProfile):
 
 def _norm_forward(original, profile: RuntimeProfile, rms: bool):
     def forward(self, *args, **kwargs):
-        mode = NormStats16(rms and profile.rms_stats_fp16, profile.layernorm_fp16, profile.lanes)
+        mode = NormStats16(rms and profile.norm_stats_in_fp16(True), profile.norm_stats_in_fp16(False), profile.lanes)
         with mode:
             out = original(*args, **kwargs)
-        if rms and profile.rms_stats_fp16 and mode.means == 0:
+        if mode.rms and mode.means == 0:
             raise HalfsafeError(f"{type(self).__name__} computed its statistic without `.mean(-1)` of a square: the "
                                 "float16 emulation cannot follow it (halfsafe.runtime.emulate)")
         return out
@@ -315,37 +315,21 @@ def _configs(model: nn.Module):
     return seen
 
 
-def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> RuntimeHandle:
+def emulate_runtime(model: nn.Module, profile: RuntimeProfile) -> RuntimeHandle:
     """Patch `model` to compute what `profile` puts in float16; `handle.remove()` (or leaving `with handle:`)
     restores it. Meant for a float16 model (the intermediate quantities are then float16 values)."""
-    profile = get_profile(profile)
     handle = RuntimeHandle()
     if profile.is_torch:
         return handle
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linear_split, head_split, _ = profile.split_k
     try:
         for m in model.modules():
-            rms = is_rms_norm(m)
-            if profile.norm_stats_fp16 and (rms or isinstance(m, nn.LayerNorm)):
-                if rms and not profile.rms_stats_fp16:
-                    continue
-                m.forward = types.MethodType(_norm_forward(type(m).forward.__get__(m), profile, rms), m)
+            patched = _patched_forward(m, profile, head)
+            if patched is not None:
+                m.forward = types.MethodType(patched, m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
-            elif profile.kernels == "ort-webgpu" and (rms or isinstance(m, nn.LayerNorm)):
-                m.forward = types.MethodType(_graph_norm_forward(type(m).forward.__get__(m), profile), m)
-                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
-            elif profile.matmul_chunk and is_linear(m):
-                # the export splits the K of MatMuls with a weight (not GPT-2's Conv1D, a Gemm); the head's partials
-                # are added as neighbours, the others' as halves (halfsafe.export.onnx_split_k)
-                split = head_split if m is head else linear_split if isinstance(m, nn.Linear) else 1
-                m.forward = types.MethodType(_linear_forward(profile, split, halves=m is not head), m)
-                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
-            elif profile.kernels == "ort-webgpu" and is_activation(m):
-                m.forward = types.MethodType(_activation_forward(type(m).forward.__get__(m)), m)
-                handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
-        if profile.attention_fp16:
-            name = _register_attention(profile.kernels)
+        if profile.attention_kernels is not None:
+            name = _register_attention(profile.attention_kernels)
             for c in _configs(model):
                 before = c._attn_implementation
                 c._attn_implementation = name
@@ -354,3 +338,24 @@ def emulate_runtime(model: nn.Module, profile: "str | RuntimeProfile") -> Runtim
         handle.remove()
         raise
     return handle
+
+
+def _patched_forward(m: nn.Module, profile: RuntimeProfile, head):
+    """The forward `profile` gives module `m` (None: its own): a norm as the profile computes norms, else a linear
+    layer when the profile accumulates in float16, else an activation under the profile's graph kernels."""
+    rms = is_rms_norm(m)
+    if rms or isinstance(m, nn.LayerNorm):
+        arith = profile.norm_arith(rms)
+        if arith == FP16_STATS:
+            return _norm_forward(type(m).forward.__get__(m), profile, rms)
+        if arith == GRAPH_KERNELS:
+            return _graph_norm_forward(type(m).forward.__get__(m), profile)
+        return None
+    if profile.accumulates_fp16 and is_linear(m):
+        # the export splits the K of MatMuls with a weight (not GPT-2's Conv1D, a Gemm); the head's partials
+        # are added as neighbours, the others' as halves (halfsafe.export.onnx_split_k)
+        kind = "head" if m is head else "linear" if isinstance(m, nn.Linear) else "conv1d"
+        return _linear_forward(profile, profile.linear_split(kind), halves=m is not head)
+    if profile.graph_activations and is_activation(m):
+        return _activation_forward(type(m).forward.__get__(m))
+    return None

@@ -54,6 +54,8 @@ from dataclasses import dataclass, replace
 from ..errors import HalfsafeError
 
 DEFAULT = "torch"
+GENERIC = "generic"  # kernels: the float16 arithmetic of runtime.emulate's own ops (arith16)
+FP16_STATS, GRAPH_KERNELS = "fp16-stats", "graph"  # RuntimeProfile.norm_arith
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class RuntimeProfile:
     # (halfsafe.export.onnx_split_k), for runtimes whose MatMul keeps one float16 running sum over K; the emulation
     # splits the linears and the head alike (not attention's QK^T)
     split_k: tuple[int, int, int] = (1, 1, 1)
-    kernels: str = "generic"  # "ort-webgpu": softmax, GELU (tanh), norms and attention's scaling as arith16_webgpu
+    kernels: str = GENERIC  # "ort-webgpu": softmax, GELU (tanh), norms and attention's scaling as arith16_webgpu
 
     @property
     def is_torch(self) -> bool:
@@ -80,6 +82,59 @@ class RuntimeProfile:
     @property
     def norm_stats_fp16(self) -> bool:
         return self.rms_stats_fp16 or self.layernorm_fp16
+
+    # -- what the profile does, asked by the emulation (runtime.emulate), the scan (runtime.stats) and the export --
+
+    def norm_arith(self, rms: bool) -> str | None:
+        """How a norm (RMSNorm-type when `rms`, else nn.LayerNorm) computes under this profile: FP16_STATS (its
+        statistic in float16), GRAPH_KERNELS (as the profile's graph kernels run the exported norm ops) or None
+        (PyTorch's). A profile with float16 norm statistics leaves the other kind of norm to PyTorch."""
+        if self.norm_stats_fp16:
+            return FP16_STATS if (self.rms_stats_fp16 if rms else self.layernorm_fp16) else None
+        return GRAPH_KERNELS if self.kernels != GENERIC else None
+
+    def norm_stats_in_fp16(self, rms: bool) -> bool:
+        """Whether a norm's statistic is float16 here: emulated so, and measured by `scan --runtime`."""
+        return self.norm_arith(rms) == FP16_STATS
+
+    @property
+    def accumulates_fp16(self) -> bool:
+        """Linear layers sum their products in float16 (runs of `matmul_chunk`): emulated, and measured by the scan."""
+        return bool(self.matmul_chunk)
+
+    def linear_split(self, kind: str) -> int:
+        """Groups the emulation cuts a product's K into, as the export's split-K writes it: `kind` "linear" (an
+        nn.Linear), "head" (the output embedding) or anything else (GPT-2's Conv1D: a Gemm the export leaves whole)."""
+        linear, head, _ = self.split_k
+        return {"linear": linear, "head": head}.get(kind, 1)
+
+    @property
+    def attention_kernels(self) -> str | None:
+        """Which float16 attention the emulation registers (runtime.emulate.ATTENTION), None: PyTorch's."""
+        return self.kernels if self.attention_fp16 else None
+
+    @property
+    def graph_activations(self) -> bool:
+        """Activation modules compute as the profile's graph kernels run the exported activation ops."""
+        return self.kernels != GENERIC
+
+    # -- what `export onnx --runtime P` rewrites, as data the exporter reads --
+
+    @property
+    def prescales_norms(self) -> bool:
+        """The export prescales each norm whose statistic is float16 (halfsafe.export.onnx_norms)."""
+        return self.norm_stats_fp16
+
+    @property
+    def onnx_split_k(self) -> tuple[int, int, int] | None:
+        """(linear, head, attention QK^T) groups the export splits each product's K into; None: no split-K."""
+        return self.split_k if max(self.split_k) > 1 else None
+
+    @property
+    def splits_head(self) -> bool:
+        """The export splits the head's K for float16 accumulation (onnx_accumulate): linears accumulate in float16
+        and the graph is not split-K already."""
+        return self.accumulates_fp16 and self.onnx_split_k is None
 
     def without_norm_stats(self) -> "RuntimeProfile":
         """What a checkpoint must survive when its graph export computes the norms on a prescaled input

@@ -25,7 +25,7 @@ from ..core.sites import Site, headroom_bits
 from ..core.stats import SiteCollector
 from ..engine.wide import WideWeight
 from .emulate import is_rms_norm
-from .profiles import RuntimeProfile, get_profile
+from .profiles import RuntimeProfile
 
 FP16_ROUNDS_TO_ZERO = 2.0 ** -25  # half of float16's smallest subnormal: anything below rounds to 0
 PARTIAL_TOKENS = 128
@@ -168,19 +168,19 @@ class RuntimeCollector(SiteCollector):
     """`with RuntimeCollector(model, profile) as c: model(...)` fills `c.scan`: the input of every norm and linear
     layer the profile computes in float16, watched as that module's "name:in" site (the hooks are SiteCollector's)."""
 
-    def __init__(self, model: nn.Module, profile: "str | RuntimeProfile") -> None:
+    def __init__(self, model: nn.Module, profile: RuntimeProfile) -> None:
         super().__init__(model)
-        self.scan = RuntimeScan(get_profile(profile))
+        self.scan = RuntimeScan(profile)
         self._stats: dict[str, NormStats | LinearStats] = {}  # site -> what its tensors update
 
     def __enter__(self) -> "RuntimeCollector":
         p = self.scan.profile
         for name, m in self.model.named_modules():
             rms = is_rms_norm(m)
-            if (rms and p.rms_stats_fp16) or (isinstance(m, nn.LayerNorm) and p.layernorm_fp16):
+            if (rms or isinstance(m, nn.LayerNorm)) and p.norm_stats_in_fp16(rms):
                 self._stats[str(Site(name, "in"))] = self.scan.norms[name] = NormStats(
                     name, type(m).__name__, "rms" if rms else "layernorm", _eps(m))
-            elif p.matmul_chunk and is_linear(m):
+            elif p.accumulates_fp16 and is_linear(m):
                 self._stats[str(Site(name, "in"))] = self.scan.linears[name] = LinearStats(name, type(m).__name__, p.matmul_chunk)
         self.watch_all(self._stats)
         return self

@@ -38,7 +38,7 @@ import copy
 import hashlib
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -46,8 +46,7 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import nn
 
-from ..convert import ConversionReport, make_fp16_safe
-from ..core.formats import FP16_MAX
+from ..convert import ConversionReport, rescale_with
 from ..core.forward import model_inputs
 from ..core.sites import Site, block_of, find_blocks, within
 from ..core.stats import SiteCollector
@@ -57,53 +56,13 @@ from ..filetypes import input_file
 from ..io import owned
 from ..io.report import Finetuned, FinetuneReport, Record
 from ..job import Job, Options, Output, run
+from ..requests import FINETUNE_TEXT, EngineOptions, FinetuneRequest, TextOptions
+from ..requests.finetune import HINGE_BITS_UNDER_TARGET, TRAIN_MODES, FinetuneConfig  # noqa: F401  (their home: requests)
 from ..scan import check_fp16, collect
 
 STATE_VERSION = 1
 STATE_NAME = "finetune_state.pt"
-TRAIN_MODES = ("parent", "blocks", "all")
 _MIN_RMS = 1e-3  # floor for the relative step of tensors that are (nearly) zero
-HINGE_BITS_UNDER_TARGET = 0.25
-
-
-@dataclass
-class FinetuneConfig:
-    steps: int = 500  # at most this many optimizer steps (one sample each)
-    threshold: float = 16384.0  # every watched |x| must end below this (2 bits under 65504)
-    margin_bits: float = 0.25  # ... with this margin: the hinge acts above threshold * 2**-margin_bits
-    lr: float = 3e-2  # relative: a tensor moves by about lr x its RMS per step
-    penalty_weight: float = 1.0
-    polish_steps: int = 50  # steps after the target is first reached, for the KL to recover
-    train: str = "parent"  # what trains: the module around each watched site, its whole block, or "all"
-    save_every: int = 10  # optimizer steps between training-state saves (with a state file)
-    seed: int = 0
-    headroom_bits: float = 2.0  # the exact rescale that runs first (finetune_checkpoint)
-
-    @property
-    def target(self) -> float:
-        return self.threshold * 2.0 ** -self.margin_bits
-
-    @property
-    def hinge(self) -> float:
-        return self.target * 2.0 ** -HINGE_BITS_UNDER_TARGET
-
-    def check(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise HalfsafeError(f"--steps {self.steps} is not a positive number of steps: use e.g. --steps 200")
-        if not (0 < self.threshold <= FP16_MAX):
-            raise HalfsafeError(f"--threshold {self.threshold:g} must lie in (0, 65504]: activations must end below float16's maximum")
-        if not (0 <= self.margin_bits < 16):
-            raise HalfsafeError(f"--margin-bits {self.margin_bits:g} must lie in [0, 16)")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise HalfsafeError(f"--lr {self.lr:g} must be a positive number (a relative step, e.g. 0.01)")
-        if not (self.penalty_weight > 0):
-            raise HalfsafeError(f"--penalty-weight {self.penalty_weight:g} must be positive")
-        if self.train not in TRAIN_MODES:
-            raise HalfsafeError(f"--train {self.train!r}: choose one of {', '.join(TRAIN_MODES)}")
-        if not isinstance(self.polish_steps, int) or self.polish_steps < 0:
-            raise HalfsafeError(f"--polish-steps {self.polish_steps} must be 0 or more")
-        if self.save_every < 1:
-            raise HalfsafeError(f"--save-every {self.save_every} must be at least 1")
 
 
 # -- hooks --------------------------------------------------------------------------------------
@@ -424,8 +383,8 @@ def finetune_checkpoint(
     source: str,
     out: str,
     texts: list[str] | None = None,
-    seq_len: int = 256,
-    max_samples: int | None = 8,
+    seq_len: int = FINETUNE_TEXT.seq_len,
+    max_samples: int | None = FINETUNE_TEXT.max_samples,
     config: FinetuneConfig | None = None,
     overwrite: bool = False,
     restart: bool = False,
@@ -440,14 +399,19 @@ def finetune_checkpoint(
 
     If `config.steps` run out with peaks still above the target, nothing is saved (unless
     `save_unconverged`): a HalfsafeError says so, and the training state stays in the partial folder,
-    so the same command with a larger --steps continues where this one stopped."""
-    config = config or FinetuneConfig()
+    so the same command with a larger --steps continues where this one stopped. The options become one checked
+    `FinetuneRequest` (halfsafe.requests) before anything runs: `run_finetune`."""
+    return run_finetune(FinetuneRequest(source, out, TextOptions(texts, seq_len, max_samples, tokenizer), config or FinetuneConfig(),
+                                        overwrite, restart, resume_from, save_unconverged, progress, device))
+
+
+def run_finetune(request: FinetuneRequest):
+    """`halfsafe finetune`, as `finetune_checkpoint`."""
+    source, out, config, progress = request.source, request.out, request.config, request.progress
+    resume_from, restart = request.resume_from, request.restart
     state_file = Path(resume_from) if resume_from else partial_dir(out) / STATE_NAME
 
     def check() -> None:
-        config.check()
-        if restart and resume_from:
-            raise HalfsafeError("--restart discards a saved state and --resume-from continues one: pass one of them")
         if resume_from:  # a regular file (a FIFO would hang the read)
             input_file(resume_from, "--resume-from", f"give the state file ({STATE_NAME} in the partial folder)")
         else:
@@ -460,12 +424,12 @@ def finetune_checkpoint(
         if samples:
             require_logits(model, samples[0])  # before the slow part, as for an unsupported architecture
         teacher = copy.deepcopy(model).eval().requires_grad_(False)  # the frozen float32 original
-        conversion = make_fp16_safe(model, samples, headroom_bits=config.headroom_bits, allow_unfixable=True, progress=progress)
+        conversion = rescale_with(model, samples, request.plan, progress)
         if not resume_from:
             _make_partial(out)
         report = finetune_below_threshold(model, samples, config, teacher, progress, state_file)
         del teacher
-        if not report.converged and not save_unconverged:
+        if not report.converged and not request.save_unconverged:
             worst = max(report.peaks_after, key=report.peaks_after.get, default=report.max_site_after)
             peak = report.peaks_after.get(worst, report.max_peak_after)
             raise HalfsafeError(
@@ -478,7 +442,9 @@ def finetune_checkpoint(
         return Output((report, conversion, fp16), Record(str(source), conversion.saved(), Finetuned(report, fp16)))
 
     # training holds every weight: never streamed
-    done = run(source, out, Options(overwrite, False, device, progress, texts, seq_len, max_samples, tokenizer=tokenizer), work, check)
+    options = Options(text=request.text, engine=EngineOptions(stream=False, device=request.device), overwrite=request.overwrite,
+                      progress=progress)
+    done = run(source, out, options, work, check)
     if not resume_from:
         _remove_partial(out)
     return done

@@ -24,35 +24,35 @@ from ..calibration import heldout_text
 from ..core.sites import find_blocks
 from ..core.weights import compute_device
 from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
-from ..engine.fp16_arith import NATIVE, check_arith, resolve
+from ..engine.fp16_arith import NATIVE, resolve
 from ..engine.fp16_arith import fp16_arith as fp16_arith_mode
 from ..engine.precision import as_dtype, cast_copy
 from ..errors import HalfsafeError
 from ..io import loading  # loading.load_model: read when called, where the tests replace it
 from ..progress import phase, recorded
-from ..runtime.profiles import get_profile
+from ..requests import GREEDY_TOKENS, PROMPT_TOKENS, VERIFY_TEXT, EngineOptions, Fp16Options, TextOptions, VerifyRequest
+from ..runtime.profiles import RuntimeProfile
 from .converted import check_converted, load_converted
 from .report import VariantResult, VerifyReport, environment
 from .runner import Runner, prepare_inputs
 from .variants import ALL_VARIANTS, FP16, HALFSAFE, REFERENCE, VARIANTS, Variant, under_runtime
 
 
-@recorded  # report.phases: the time each phase took
 def verify(
     model: str | Path | PreTrainedModel,
     converted: str | Path | PreTrainedModel | None = None,
     texts: list[str] | None = None,
     text_names: list[str] | None = None,
     tokenizer=None,
-    seq_len: int = 512,
-    max_samples: int | None = 2,
-    greedy_tokens: int = 32,
-    prompt_tokens: int = 16,
+    seq_len: int = VERIFY_TEXT.seq_len,
+    max_samples: int | None = VERIFY_TEXT.max_samples,
+    greedy_tokens: int = GREEDY_TOKENS,
+    prompt_tokens: int = PROMPT_TOKENS,
     variants: list[str] | None = None,
     device: str | torch.device = "auto",
     progress: Callable[[str], None] | None = None,
     stream: bool = True,
-    runtime: str | None = None,
+    runtime: str | RuntimeProfile | None = None,
     fp16_arith: str | None = None,
     tokenizer_folder: str | Path | None = None,
 ) -> VerifyReport:
@@ -70,9 +70,25 @@ def verify(
     are finite but collapsed (nearly uniform rows, one token on top everywhere). `fp16_arith`: how the float16
     variants compute ("emulated", the default where proven, or "native": halfsafe.engine.fp16_arith).
     `tokenizer_folder`: where `model` is loaded here, take its tokenizer from this folder (--tokenizer).
+    The options become one checked `VerifyRequest` (halfsafe.requests) before anything loads: `run_verify`.
     """
+    return run_verify(VerifyRequest(
+        model, converted, TextOptions(texts, seq_len, max_samples, tokenizer_folder or None),
+        text_names, tokenizer, greedy_tokens, prompt_tokens, variants, EngineOptions(stream, device),
+        Fp16Options.checked(runtime, fp16_arith), progress,
+    ))
+
+
+@recorded  # report.phases: the time each phase took
+def run_verify(request: VerifyRequest) -> VerifyReport:
+    """`halfsafe verify`, as `verify`."""
+    model, converted, tokenizer, progress = request.model, request.converted, request.tokenizer, request.progress
+    text, stream, device, profile = request.text, request.engine.stream, request.engine.device, request.runtime
+    texts, text_names = text.text_list, list(request.text_names) if request.text_names is not None else None
+    seq_len, max_samples, greedy_tokens, prompt_tokens = text.seq_len, text.max_samples, request.greedy_tokens, request.prompt_tokens
+    variants = list(request.variants) if request.variants is not None else None
+
     progress = progress or (lambda msg: None)
-    check_arith(fp16_arith)
     name = str(model) if not isinstance(model, nn.Module) else getattr(model.config, "_name_or_path", "") or type(model).__name__
     if isinstance(model, nn.Module):
         original = model
@@ -81,21 +97,18 @@ def verify(
     else:
         with phase("load"):
             loaded = loading.load_model(model, torch.float32, stream=stream, device=device,
-                                        **({"tokenizer": tokenizer_folder} if tokenizer_folder else {}))
+                                **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
     dev = compute_device(original)
-    arith = resolve(fp16_arith, original)
-    profile = get_profile(runtime)
+    arith = resolve(request.fp16.fp16_arith, original)
     todo, skipped = _with_runtime(variants, converted is not None, profile)
     if converted is not None and not isinstance(converted, nn.Module):
         check_converted(converted, original)  # fail before the slow part
     if texts is None:
         texts, text_names = [heldout_text()], ["held-out text (embedded)"]
-    text_names = text_names or [f"text {i + 1}" for i in range(len(texts))]
-    if len(text_names) != len(texts):
-        raise HalfsafeError("give one name per text")
+    text_names = text_names or [f"text {i + 1}" for i in range(len(texts))]  # one per text (VerifyRequest)
     vocab = original.config.get_text_config().vocab_size
     inputs = prepare_inputs(texts, text_names, tokenizer, vocab, seq_len, max_samples, prompt_tokens)
     loaded = tokenizer = None  # only the ids are needed from here on (Gemma 3's tokenizer: 0.33 GB)

@@ -1,0 +1,24 @@
+"""The engine's option vocabulary, without torch: the names of `--fp16-arith` (how the float16 trials compute,
+halfsafe.engine.fp16_arith) with their default and check, and the largest weight file written (engine.write).
+The requests (halfsafe.requests) read their defaults and checks from here, so the command line builds its parser
+without importing torch, and the engine needs nothing from the floors above it."""
+
+from __future__ import annotations
+
+from ..errors import HalfsafeError
+
+# the shard size the hub's own serializer defaults to (huggingface_hub.serialization's MAX_SHARD_SIZE, "5GB");
+# transformers 5's save_pretrained and push_to_hub default to 50GB per file, more than the hub and most tools expect.
+# A checkpoint under 5 GB is one model.safetensors either way.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+AUTO, EMULATED, NATIVE = "auto", "emulated", "native"
+FP16_ARITHS = (AUTO, EMULATED, NATIVE)  # how the float16 trials compute (halfsafe.engine.fp16_arith)
+DEFAULT_FP16_ARITH = AUTO
+
+
+def check_fp16_arith(asked: str | None) -> str:
+    """The --fp16-arith option as given (None: the default); an unknown name is a one-line error."""
+    asked = DEFAULT_FP16_ARITH if asked is None else asked
+    if asked not in FP16_ARITHS:
+        raise HalfsafeError(f"unknown --fp16-arith {asked!r}: use {' or '.join(FP16_ARITHS)}")
+    return asked

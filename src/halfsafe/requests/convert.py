@@ -1,0 +1,92 @@
+"""`halfsafe convert` and `halfsafe apply` as requests: every option typed and checked once, before anything loads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+
+from ..errors import HalfsafeError
+from ..runtime.profiles import RuntimeProfile
+from .common import DEFAULT_MAX_SHARD_SIZE, EngineOptions, Fp16Options, TextOptions
+from .margin import MarginOptions
+
+CONVERT_TEXT = TextOptions(seq_len=512, max_samples=8)
+APPLY_TEXT = TextOptions(seq_len=256, max_samples=2)  # a brief scan of the result
+CANDIDATES = 3  # residual scales measured in float16 at most (besides those above the margin's)
+TARGETS = ("onnx",)  # convert --to
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What choosing a plan takes (halfsafe.convert.plan_with): the margin, whether a plan that leaves activations
+    above 65504 may be saved, how many residual scales are measured, the float16 arithmetic it is chosen under."""
+
+    margin: MarginOptions = field(default_factory=MarginOptions)
+    allow_unfixable: bool = False
+    candidates: int = CANDIDATES
+    fp16: Fp16Options = field(default_factory=Fp16Options)
+
+    @property
+    def runtime(self) -> RuntimeProfile:
+        return self.fp16.runtime
+
+    @classmethod
+    def checked(cls, headroom_bits: float | None = None, max_context: int | None = None, allow_unfixable: bool = False,
+                candidates: int = CANDIDATES, runtime: str | RuntimeProfile | None = None,
+                fp16_arith: str | None = None) -> "PlanOptions":
+        return cls(MarginOptions(max_context, headroom_bits), allow_unfixable, candidates, Fp16Options.checked(runtime, fp16_arith))
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    """`halfsafe convert MODEL OUT`: `plan.runtime` is the profile asked for (--runtime); with `to="onnx"` the
+    checkpoint is chosen under what the graph leaves to it (`checkpoint_runtime`) and the graph exported under the
+    whole profile (`export_runtime`)."""
+
+    source: str | os.PathLike
+    out: str | os.PathLike
+    text: TextOptions = CONVERT_TEXT
+    plan: PlanOptions = field(default_factory=PlanOptions)
+    long_sample: int | None = None  # also calibrate on one sample of this many tokens (the embedded text repeated)
+    overwrite: bool = False
+    progress: bool = True
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # "5GB", "500MiB" or bytes (io.checkpoint.shard_size)
+    to: str | None = None  # "onnx": also an fp16 ONNX model inside OUT
+
+    def __post_init__(self) -> None:
+        if self.long_sample is not None and self.long_sample < 2:
+            raise HalfsafeError(f"--long-sample {self.long_sample} is too short: use at least 2 tokens")
+        if self.to is not None and self.to not in TARGETS:
+            raise HalfsafeError(f"--to {self.to!r}: choose one of {', '.join(TARGETS)}")
+
+    @property
+    def export_runtime(self) -> RuntimeProfile:
+        """The profile the ONNX graph is exported under (--to onnx): the one asked for."""
+        return self.plan.runtime
+
+    @property
+    def checkpoint_runtime(self) -> RuntimeProfile:
+        """The profile the checkpoint must meet: with --to onnx the graph prescales its norms, the checkpoint meets
+        the rest of the profile's float16 arithmetic."""
+        return self.plan.runtime.without_norm_stats() if self.to == "onnx" else self.plan.runtime
+
+    @property
+    def checkpoint_plan(self) -> PlanOptions:
+        """`plan` under `checkpoint_runtime`."""
+        if self.checkpoint_runtime is self.plan.runtime:
+            return self.plan
+        return replace(self.plan, fp16=replace(self.plan.fp16, runtime=self.checkpoint_runtime))
+
+
+@dataclass(frozen=True)
+class ApplyRequest:
+    """`halfsafe apply PLAN MODEL OUT`: a saved plan re-applied to another checkpoint of the same architecture."""
+
+    plan_path: str | os.PathLike
+    source: str | os.PathLike
+    out: str | os.PathLike
+    text: TextOptions = APPLY_TEXT
+    overwrite: bool = False
+    progress: bool = True
+    engine: EngineOptions = field(default_factory=EngineOptions)
