@@ -10,7 +10,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from halfsafe.core import arith16, arith16_webgpu
 from halfsafe.engine.precision import cast_copy
 from halfsafe.errors import HalfsafeError
-from halfsafe.runtime.emulate import attention16, attention_webgpu16, emulate_runtime
+from halfsafe.runtime.emulate import emulate_runtime
+from halfsafe.runtime.kernels.generic import attention16
+from halfsafe.runtime.kernels.ort_webgpu import attention_webgpu16
 from halfsafe.runtime.profiles import FP16_STATS, GRAPH_KERNELS, PROFILES, get_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,6 +29,18 @@ def test_profiles_are_data_and_unknown_names_fail():
     assert not webgpu.norm_stats_fp16 and all(PROFILES[p].kernels == "generic" for p in PROFILES if p != "ort-webgpu")
     with pytest.raises(HalfsafeError, match="choose one of torch, fp16-norm-stats"):
         get_profile("webgpu")
+
+
+def test_every_profile_names_kernels_that_exist():
+    """A profile's `kernels` is a module of halfsafe.runtime.kernels, which provides what the emulation calls."""
+    from halfsafe.runtime.kernels import KERNELS, kernels_for
+
+    assert {p.kernels for p in PROFILES.values()} <= set(KERNELS)
+    for name, module in KERNELS.items():
+        assert module.NAME == name and callable(module.ATTENTION[1])
+        assert callable(module.graph_norm_forward) and callable(module.activation_forward)
+    with pytest.raises(HalfsafeError, match="no float16 kernels named 'metal'"):
+        kernels_for("metal")
 
 
 def test_profiles_answer_what_they_emulate_measure_and_export():

@@ -110,7 +110,7 @@ class RuntimeProfile:
 
     @property
     def attention_kernels(self) -> str | None:
-        """Which float16 attention the emulation registers (runtime.emulate.ATTENTION), None: PyTorch's."""
+        """Which float16 attention the emulation registers (its kernel module's ATTENTION, halfsafe.runtime.kernels), None: PyTorch's."""
         return self.kernels if self.attention_fp16 else None
 
     @property
