@@ -88,10 +88,9 @@ KILL_AT = {
     # during calibration: the first activation scan
     "calibration": """
         import halfsafe.convert as c
-        real = c.scan
-        def scan(*a, **k):
+        def scan_with(*a, **k):
             kill()
-        c.scan = scan
+        c.scan_with = scan_with
     """,
     # during the save: after the weights are written, before halfsafe.json and the rename
     "save": """

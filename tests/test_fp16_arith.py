@@ -21,6 +21,7 @@ from halfsafe.cli import main
 from halfsafe.core.forward import logits
 from halfsafe.engine import fp16_arith
 from halfsafe.engine.precision import in_dtype
+from halfsafe.errors import HalfsafeError
 from halfsafe.scan import first_nonfinite_in_fp16
 from tests.stress import make_stress
 from tests.tiny import TINY, make_tiny, tiny_ids
@@ -86,7 +87,7 @@ def test_emulated_is_chosen_where_proven_and_float16_is_slow_and_a_listed_family
     monkeypatch.setitem(fp16_arith.NATIVE_ONLY, "llama", "not proven")
     chosen = fp16_arith.resolve(None, model)
     assert chosen["used"] == fp16_arith.NATIVE and "not proven" in chosen["why"]
-    with pytest.raises(fp16_arith.HalfsafeError, match="--fp16-arith"):
+    with pytest.raises(HalfsafeError, match="--fp16-arith"):
         fp16_arith.check_arith("fp32")
 
 

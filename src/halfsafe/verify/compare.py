@@ -97,7 +97,7 @@ def run_verify(request: VerifyRequest) -> VerifyReport:
     else:
         with phase("load"):
             loaded = loading.load_model(model, torch.float32, stream=stream, device=device,
-                                **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
+                                        **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
         original, tokenizer = loaded.model, tokenizer if tokenizer is not None else loaded.tokenizer
     if next(original.parameters()).dtype != torch.float32:
         raise HalfsafeError("verify needs the original in float32 (the reference); load it with dtype=torch.float32")
