@@ -36,6 +36,7 @@ from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_norms import fp16_statistics  # noqa: E402
 from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
 from halfsafe.io.builtin import cache_dir, gemma3_270m_folder  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 FP32_SUMS = ("all ops fp16, matmul sums fp32", None)
@@ -108,7 +109,7 @@ def main() -> None:
         proto = fp16_statistics(onnx.load(str(out / name / ONNX_FILE)))
         for label, profile in GRAPHS[name][1]:
             log(f"reference evaluator, {name}, {label}, {ids.shape[1]} tokens")
-            got = OnnxDecoder(proto, backend="reference", profile=profile).logits(ids.numpy()).astype(np.float32)
+            got = OnnxDecoder(proto, backend="reference", profile=PROFILES[profile]).logits(ids.numpy()).astype(np.float32)
             rows[f"{name} ONNX, {label}"] = measure(ref, torch.from_numpy(got))
             log(f"  {rows[f'{name} ONNX, {label}']}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -31,6 +31,7 @@ from halfsafe.export import onnx_norms  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_norms import choose_shift, fp16_statistics  # noqa: E402
 from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def exported(tmp_path_factory):
 
 def _fp16_run(folder, ids) -> np.ndarray:
     proto = fp16_statistics(onnx.load(str(folder / ONNX_FILE)))
-    return OnnxDecoder(proto, backend="reference", profile="all-fp16").logits(ids.numpy()).astype(np.float32)
+    return OnnxDecoder(proto, backend="reference", profile=PROFILES["all-fp16"]).logits(ids.numpy()).astype(np.float32)
 
 
 def test_fp16_statistics_makes_the_norms_float16(exported):

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from halfsafe.core import arith16  # noqa: E402
 from halfsafe.export.onnx_profile_ops import chunked_matmul16, constant_names, profile_evaluator  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES  # noqa: E402
 
 RNG = np.random.default_rng(0)
 
@@ -48,13 +49,13 @@ def test_linear_matmul_is_chunked_under_fp16_accumulate_and_attention_is_not():
     x = np.array([[300.0] * 32 + [-300.0] * 32], np.float16)
     v = np.full((64, 1), 300.0, np.float16)
     feed = {"x": x, "v": v}
-    (plain,) = profile_evaluator(model, "torch").run(None, feed)
+    (plain,) = profile_evaluator(model, PROFILES["torch"]).run(None, feed)
     assert plain[0, 0] == 0
-    (acc,) = profile_evaluator(model, "fp16-accumulate").run(None, feed)
+    (acc,) = profile_evaluator(model, PROFILES["fp16-accumulate"]).run(None, feed)
     assert not np.isfinite(acc[0, 0])  # the linear's running sum overflows
     att_only = _graph([helper.make_node("MatMul", ["x", "v"], ["y"])], ["x", "v"], "y")
-    assert profile_evaluator(att_only, "fp16-accumulate").run(None, feed)[0][0, 0] == 0  # attention: PyTorch's
-    assert not np.isfinite(profile_evaluator(att_only, "all-fp16").run(None, feed)[0][0, 0])  # all-fp16: also in float16
+    assert profile_evaluator(att_only, PROFILES["fp16-accumulate"]).run(None, feed)[0][0, 0] == 0  # attention: PyTorch's
+    assert not np.isfinite(profile_evaluator(att_only, PROFILES["all-fp16"]).run(None, feed)[0][0, 0])  # all-fp16: also in float16
 
 
 def test_reductions_and_softmax_are_arith16s():
@@ -62,15 +63,15 @@ def test_reductions_and_softmax_are_arith16s():
     axes = numpy_helper.from_array(np.array([-1], np.int64), "axes")
     for op, want in (("ReduceMean", arith16.mean16), ("ReduceSum", arith16.sum16)):
         model = _graph([helper.make_node(op, ["x", "axes"], ["y"], keepdims=1)], ["x"], "y", [axes])
-        (got,) = profile_evaluator(model, "fp16-norm-stats").run(None, {"x": x})
+        (got,) = profile_evaluator(model, PROFILES["fp16-norm-stats"]).run(None, {"x": x})
         assert got.shape == (3, 4, 1)
         assert np.array_equal(got[..., 0].astype(np.float32), want(torch.from_numpy(x.astype(np.float32))).numpy(), equal_nan=True)
     squares = _graph([helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("ReduceMean", ["sq", "axes"], ["y"])],
                      ["x"], "y", [axes])
     big = np.full((1, 4096), 100.0, np.float16)  # squares 1e4 fit float16; their sum does not
-    assert np.isinf(profile_evaluator(squares, "fp16-norm-stats").run(None, {"x": big})[0]).all()
+    assert np.isinf(profile_evaluator(squares, PROFILES["fp16-norm-stats"]).run(None, {"x": big})[0]).all()
     model = _graph([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], ["x"], "y")
-    (got,) = profile_evaluator(model, "all-fp16").run(None, {"x": x})
+    (got,) = profile_evaluator(model, PROFILES["all-fp16"]).run(None, {"x": x})
     assert np.array_equal(got.astype(np.float32), arith16.softmax16(torch.from_numpy(x.astype(np.float32))).numpy())
 
 

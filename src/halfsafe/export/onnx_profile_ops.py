@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..core import arith16
-from ..runtime.profiles import RuntimeProfile, get_profile
+from ..runtime.profiles import RuntimeProfile
 
 
 def constant_names(graph) -> set[str]:
@@ -111,8 +111,8 @@ def profile_ops(profile: RuntimeProfile, constants: set[str]) -> list[type]:
     return ops
 
 
-def profile_evaluator(proto, profile: "str | RuntimeProfile"):
+def profile_evaluator(proto, profile: RuntimeProfile):
     """A ReferenceEvaluator for `proto` computing its float16 ops under `profile` (see the module docstring)."""
     from onnx.reference import ReferenceEvaluator
 
-    return ReferenceEvaluator(proto, new_ops=profile_ops(get_profile(profile), constant_names(proto.graph)) or None)
+    return ReferenceEvaluator(proto, new_ops=profile_ops(profile, constant_names(proto.graph)) or None)

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime.profiles import DEFAULT, PROFILES, RuntimeProfile
+
 
 class OnnxDecoder:
     """A decoder graph with the I/O `onnx_decoder.export_program` writes. backend: "ort" (ONNX Runtime, CPU) or "reference"
     (with `profile`, a runtime profile's float16 arithmetic: halfsafe.export.onnx_profile_ops)."""
 
-    def __init__(self, model, backend: str = "ort", profile: str | None = None) -> None:
+    def __init__(self, model, backend: str = "ort", profile: RuntimeProfile | None = None) -> None:
         import onnx
 
         self.backend = backend
@@ -35,7 +37,7 @@ class OnnxDecoder:
         elif backend == "reference":
             from .onnx_profile_ops import profile_evaluator
 
-            self._session = profile_evaluator(proto, profile)
+            self._session = profile_evaluator(proto, profile or PROFILES[DEFAULT])
         else:
             raise ValueError(f"backend must be 'ort' or 'reference', not {backend!r}")
 
