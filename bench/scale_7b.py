@@ -189,7 +189,7 @@ def gemm_speeds(shape: tuple[int, int, int] = GEMM_SHAPE, budget_s: float = 0.5)
             a @ b
             dt_s = time.perf_counter() - t0
             best, spent, calls = min(best, dt_s), spent + dt_s, calls + 1
-        out[name] = round(2 * m * k * n / best / 1e9, 2)
+        out[name] = float(f"{2 * m * k * n / best / 1e9:.3g}")  # three significant figures, however slow
     return out
 
 
