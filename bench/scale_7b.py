@@ -15,7 +15,8 @@ The commands, with the `halfsafe` script beside this Python:
 each under a cgroup v1 memory limit (bench/memory_cap.py: needs root; --cap-gb 0 runs uncapped). The limit counts
 page cache: under 8 GB the 15.2 GB checkpoint cannot stay cached, so every pass over it reads it again.
 Per command: exit code, wall, CPU-seconds (user + system of the command and its children), peak RSS, the cgroup's
-peak; the report's "phases" and "checkpoint_reads" where the CLI writes them (convert: OUT/halfsafe.json; verify:
+peak; the CPU's matrix product speed per dtype (float32, bfloat16, float16; `gemm_speeds`, measured before the
+commands), so that times from different CPUs read side by side; the report's "phases" and "checkpoint_reads" where the CLI writes them (convert: OUT/halfsafe.json; verify:
 its --json); verify's KL to fp32 of every variant. OUT (2 bytes a parameter) is removed after verify unless
 --keep-output. Writes bench/results/scale_7b.{json,md} for qwen7b, bench/results/scale_7b-SIZE.{json,md} for
 another size (a test run never replaces the measurement); --results DIR writes them elsewhere.
@@ -166,6 +167,40 @@ def machine() -> dict:
     return info
 
 
+GEMM_SHAPE = (256, 1024, 1024)  # [m, k] x [k, n]: 0.54 GFLOP, about 1.3 s where float16 runs at 0.4 GFLOP/s
+GEMM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def gemm_speeds(shape: tuple[int, int, int] = GEMM_SHAPE, budget_s: float = 0.5) -> dict:
+    """This CPU's matrix product speed per dtype, GFLOP/s (best of the timed calls after one warm-up, until `budget_s`
+    is spent or 5 ran), on torch's threads as convert runs them: the figures beside which this machine's times read
+    (bfloat16's and float16's speed against float32's is what `--calib-arith` and `--fp16-arith` measure for auto)."""
+    import torch
+
+    m, k, n = shape
+    out = {"shape": list(shape), "threads": torch.get_num_threads()}
+    for name in GEMM_DTYPES:
+        dtype = getattr(torch, name)
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+        a @ b
+        best, spent, calls = math.inf, 0.0, 0
+        while calls < 5 and (calls == 0 or spent < budget_s):
+            t0 = time.perf_counter()
+            a @ b
+            dt_s = time.perf_counter() - t0
+            best, spent, calls = min(best, dt_s), spent + dt_s, calls + 1
+        out[name] = float(f"{2 * m * k * n / best / 1e9:.3g}")  # three significant figures, however slow
+    return out
+
+
+def gemm_text(g: dict | None) -> str:
+    if not g:
+        return "CPU matrix product speeds: not measured in this run."
+    m, k, n = g["shape"]
+    return (f"CPU matrix product speed ([{m} x {k}] x [{k} x {n}], {g['threads']} threads, best of a few calls): "
+            + ", ".join(f"{d} {g[d]:g}" for d in GEMM_DTYPES if d in g) + " GFLOP/s.")
+
+
 def _fmt(x, spec: str = ".2e") -> str:
     return "n/a" if x is None else format(x, spec)
 
@@ -178,7 +213,8 @@ def markdown(r: dict) -> str:
              f"{' GB' if r['cap_gb'] else ''} (page cache included).",
              f"Machine: {m.get('cpu')}, {m.get('cpu_cores')} cores, {m.get('memory_gib', '?')} GiB, torch "
              f"{m.get('torch')}; load average {r['load_average'][0]:.1f} at start, {r['load_average'][1]:.1f} at the end "
-             f"(a shared machine reads higher). Commit {r['git_commit']}, {r['started_utc']}.", "",
+             f"(a shared machine reads higher). Commit {r['git_commit']}, {r['started_utc']}.",
+             gemm_text(r.get("gemm_gflops")), "",
              "| command | exit | wall s | CPU-s | CPU-s / B params | peak RSS GB | cgroup peak GB | checkpoint reads |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["steps"].items():
@@ -267,6 +303,8 @@ def run(args: argparse.Namespace) -> dict:
         raise BenchError(f"{syn} holds {stored} parameters, not the {params} of --size {args.size}: pass its --size or another --checkpoint")
     cmds = commands(syn, out, verify_json, args.device, args.samples, args.seq_len, args.verify_samples,
                     args.verify_seq_len, args.greedy_tokens)
+    gemm = gemm_speeds()  # before the commands: what this CPU multiplies at, beside the times below
+    print(gemm_text(gemm), flush=True)
     steps = {"convert": run_step("convert", cmds["convert"], cap, logs, args.timeout_s)}
     conv = steps["convert"]
     if conv["exit"] == 0:
@@ -284,7 +322,7 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(out)
     result = {
         "command": shlex.join(["python", "bench/scale_7b.py", *sys.argv[1:]]), "started_utc": started,
-        "git_commit": git_commit(), "machine": machine(), "load_average": [load_start, os.getloadavg()[0]],
+        "git_commit": git_commit(), "machine": machine(), "gemm_gflops": gemm, "load_average": [load_start, os.getloadavg()[0]],
         "size": args.size, "architecture": "DeepSeek-R1-Distill-Qwen-7B" if args.size in QWEN_SIZES else "Llama-style",
         "params": params, "checkpoint": str(syn), "checkpoint_gb": round(folder_gb(syn), 2),
         "checkpoint_shards": len(list(syn.glob("*.safetensors"))), "generated": generated, "cap_gb": cap and cap / 1e9,

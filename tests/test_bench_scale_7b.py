@@ -94,3 +94,14 @@ def test_the_block_lives_in_docs_results_md_as_the_saved_run_writes_it(scale_7b,
     scale_7b.update_readme(json.loads((ROOT / "bench" / "results" / "scale_7b.json").read_text()), copy)
     assert copy.read_text() == text, ("docs/results.md's scale_7b block is not what bench/results/scale_7b.json gives: "
                                       "run python bench/scale_7b.py --report-only --readme")
+
+
+def test_the_cpus_matrix_product_speeds_stand_beside_the_figures(scale_7b):
+    g = scale_7b.gemm_speeds((16, 32, 32), budget_s=0.01)
+    assert g["shape"] == [16, 32, 32] and g["threads"] >= 1
+    assert all(g[d] > 0 for d in ("float32", "bfloat16", "float16"))
+    r = _result(scale_7b)
+    assert "CPU matrix product speeds: not measured in this run." in scale_7b.markdown(r)  # a .json from before
+    r["gemm_gflops"] = {"shape": [256, 1024, 1024], "threads": 2, "float32": 80.0, "bfloat16": 334.0, "float16": 0.9}
+    assert ("CPU matrix product speed ([256 x 1024] x [1024 x 1024], 2 threads, best of a few calls): float32 80, "
+            "bfloat16 334, float16 0.9 GFLOP/s.") in scale_7b.markdown(r)

@@ -236,3 +236,36 @@ def test_is_fused_experts_needs_a_3d_gate_up_proj_its_gate_and_layout():
     assert not is_fused_experts(_Attrs(None, gate=False))
     assert not is_fused_experts(_Attrs(torch.zeros(3, 4), gate=False))
     assert not is_fused_experts(nn.Linear(2, 2))
+
+
+def test_a_tensor_seen_at_several_sites_is_summarised_once_and_counted_at_each():
+    x = torch.randn(4, 8)
+    seen = stats.SeenTensors()
+    first = seen.summaries(x)
+    assert seen.summaries(x) is first  # the same tensor, unchanged: its summaries again
+    y = x.clone()
+    assert seen.summaries(y) is not first and seen.summaries(y) == first  # another tensor: summarised itself
+    x.mul_(2)  # changed in place: summarised again
+    again = seen.summaries(x)
+    assert again is not first and again[0].abs_max == 2 * first[0].abs_max
+    for t in (torch.randn(3) for _ in range(3)):  # three others since: x has left
+        seen.summaries(t)
+    assert seen.summaries(x) is not again
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("key", ["llama", "gemma3_text", "gpt2", "t5", "qwen3_moe", "bert"])
+def test_summarising_each_tensor_once_records_what_every_site_alone_records(key):
+    from tests.tiny import make_tiny, tiny_ids
+
+    model = make_tiny(key)
+    ids = tiny_ids(model, 24)
+    from halfsafe.core.forward import run_for_stats
+
+    with ActivationCollector(model) as shared:
+        run_for_stats(model, ids)
+    with ActivationCollector(model, _seen=stats.SeenTensors(0)) as alone:
+        run_for_stats(model, ids)
+    assert list(shared.sites) == list(alone.sites)
+    assert [s.to_dict() | {"numel": s.numel, "nonzero": s.nonzero} for s in shared.sites.values()] == \
+        [s.to_dict() | {"numel": s.numel, "nonzero": s.nonzero} for s in alone.sites.values()]

@@ -162,7 +162,7 @@ def convert_request(args) -> rq.ConvertRequest:
     return rq.ConvertRequest(
         args.model, args.out, _text(args),
         rq.PlanOptions.checked(args.headroom_bits, args.max_context, args.allow_unfixable, runtime=args.runtime,
-                               fp16_arith=args.fp16_arith),
+                               fp16_arith=args.fp16_arith, calib_arith=args.calib_arith),
         long_sample=args.long_sample, overwrite=args.overwrite, engine=_engine(args), max_shard_size=args.max_shard_size,
         to=args.to,
     )
@@ -363,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints get model-0000N-of-0000M.safetensors and model.safetensors.index.json)")
     _runtime_option(p, "choose the plan (or refuse)")
     _fp16_arith_option(p, "the candidates' float16 trial")
+    p.add_argument("--calib-arith", default=rq.DEFAULT_CALIB_ARITH, choices=rq.CALIB_ARITHS,
+                   help="how the calibration's matrix products compute: float32, bfloat16 (operands rounded to bfloat16, "
+                        "the plan kept as float32's: calibrated again in float32 where a peak sits too near a limit) or "
+                        "auto (default: bfloat16 where this CPU multiplies bfloat16 faster than float32)")
     _engine_options(p)
     _tokenizer_option(p)
     p.set_defaults(func=cmd_convert)

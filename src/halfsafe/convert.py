@@ -18,11 +18,24 @@ from .core.forward import prefix, sample_tokens
 from .core.groups import expand
 from .core.margin import Margin, choose_margin
 from .core.metrics import mean_kl, top1_agreement
-from .core.plan import FP16_MAX_BITS, MIN_EXPONENT, Constraint, Plan, constraints_from, predicted_log2, solve, tensor_table
+from .core.plan import (
+    FP16_MAX_BITS,
+    MIN_EXPONENT,
+    Constraint,
+    Plan,
+    predicted_log2,
+    site_constraints,
+    solve,
+    tensor_table,
+    weight_constraints,
+)
 from .core.rewrite import apply_exponents_, model_key, trial
 from .core.shrink import probe_governed
 from .core.sites import Site
+from .core.stats import is_fused_experts
 from .core.weights import value_blocks, weights_of
+from .engine.calib_arith import BFLOAT16, FLOAT32, PEAK_RTOL
+from .engine.calib_arith import resolve as resolve_calib
 from .engine.device import return_freed_memory
 from .engine.fp16_arith import resolve as resolve_arith
 from .engine.precision import in_dtype
@@ -87,6 +100,7 @@ class ConversionReport:
     reads: Reads = field(default_factory=Reads)  # passes over a streamed model's checkpoint per phase
     reference_logits: torch.Tensor | None = field(default=None, repr=False)  # fp32, on the evaluation prefix (reused)
     fp16_arith: dict | None = None  # how the candidates' float16 ran (halfsafe.engine.fp16_arith.resolve)
+    calib_arith: dict | None = None  # how the calibration multiplied (halfsafe.engine.calib_arith.resolve); None: scan given
 
     @property
     def chosen(self) -> Candidate:
@@ -112,6 +126,7 @@ class ConversionReport:
             runtime=self.runtime,
             checkpoint_reads=self.reads.to_dict() if self.reads else None,
             fp16_arith=self.fp16_arith,
+            calib_arith=self.calib_arith,
         )
 
     def record(self, source: str) -> Record:
@@ -247,8 +262,9 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
     family = family_for(model.config.model_type)
     groups = expand(family, model)
     reads = Reads()
+    calib = None if scan_report is not None else calibration_arith(options, model)
     with reads.phase(model, "scan"):
-        report = scan_report or scan_with(model, samples, ScanOptions(fp16=options.fp16), progress)
+        report = scan_report or scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=calib["used"]), progress)
     return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), options.margin.max_context,
                            options.margin.headroom_bits)
@@ -258,7 +274,15 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
         with phase("probe", quiet=not progress):
             governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
         with phase("plan", quiet=not progress):
-            constraints = constraints_from(report.sites, governed, groups, weights_of(model).values())
+            weights = weight_constraints(groups, weights_of(model).values())
+            constraints = site_constraints(report.sites, governed) + weights
+    if calib is not None and calib["used"] == BFLOAT16 and not holds_within(groups, constraints, headroom_bits, candidates):
+        # a decision sits within bfloat16's difference of its limit: the float32 peaks decide it, as they would alone
+        calib["float32_again"] = (f"a peak sat within {PEAK_RTOL:g} of a limit the plan is chosen at: calibrated again "
+                                  "in float32")
+        with reads.phase(model, "scan"):
+            report = scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=FLOAT32), progress)
+        constraints = site_constraints(report.sites, governed) + weights
     eval_ids = _eval_ids(samples)
     with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):
         ref = forward_logits(model, eval_ids).float()
@@ -302,7 +326,54 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
         reads=reads,
         reference_logits=ref,
         fp16_arith=arith if profile.is_torch else None,
+        calib_arith=calib,
     )
+
+
+ROUTER_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+
+
+def routes_tokens(model) -> bool:
+    """A mixture of experts: fused experts (core.stats.is_fused_experts) or a config that counts experts."""
+    config = model.config.get_text_config()
+    return any(getattr(config, f, None) for f in ROUTER_FIELDS) or any(is_fused_experts(m) for m in model.modules())
+
+
+def calibration_arith(options: PlanOptions, model) -> dict:
+    """How the calibration multiplies (halfsafe.engine.calib_arith.resolve): float32 under a runtime profile other than
+    torch, whose float16 quantities are measured on the calibration's own activations, and for a mixture of experts,
+    whose router may send a token elsewhere on a rounding (an expert's peak then moves by more than any rounding
+    bound: gemma4_text-moe's tiny model, 3.6%)."""
+    if not options.runtime.is_torch:
+        return {"asked": options.calib_arith, "used": FLOAT32,
+                "why": f"--runtime {options.runtime.name}: its float16 quantities are measured on float32 activations"}
+    if options.calib_arith != FLOAT32 and routes_tokens(model):
+        return {"asked": options.calib_arith, "used": FLOAT32,
+                "why": "per-expert peaks: a rounding may route a token to another expert"}
+    return resolve_calib(options.calib_arith, model)
+
+
+def _decisions(groups, constraints, headroom_bits, n) -> tuple:
+    """Everything the plan's choice reads of the peaks: the solver's plan, the candidates, which keep the margin, and
+    whether each that may be chosen (`choose_candidate`) leaves a site above 65504 (what convert refuses). Which sites
+    halfsafe.json lists above 65504 or inside the margin, and their sizes, are the calibration's: not decisions."""
+    reference = solve(groups, constraints, headroom_bits)
+    tried = candidate_exponents(groups, constraints, headroom_bits, n)
+    kept = [keeps_margin(constraints, e, reference, headroom_bits)[0] for e in tried]
+    return (reference, tried, kept, [bool(_problems(constraints, e, headroom_bits)[0])
+                                     for e, k in zip(tried, kept) if k or not any(kept)])
+
+
+def holds_within(groups, constraints: list[Constraint], headroom_bits: float, n: int, rtol: float = PEAK_RTOL) -> bool:
+    """Whether the plan's decisions (`_decisions`) stay what they are with every measured peak `rtol` larger, and with
+    every one `rtol` smaller: then peaks measured from bfloat16 products (within `rtol` of float32's,
+    halfsafe.engine.calib_arith) choose what float32's choose. A moved weight's peak is exact and stays."""
+    base = _decisions(groups, constraints, headroom_bits, n)
+    for shift in (math.log2(1 + rtol), math.log2(1 - rtol)):
+        moved = [c if c.site.startswith("weight:") else Constraint(c.site, c.log2_peak + shift, c.powers) for c in constraints]
+        if _decisions(groups, moved, headroom_bits, n) != base:
+            return False
+    return True
 
 
 def _evaluate_all(model, family, groups, constraints, reference, headroom_bits, n, eval_ids, ref,
@@ -460,16 +531,19 @@ def convert_checkpoint(
     fp16_arith: str | None = None,
     tokenizer: str | None = None,
     finish: Callable[[Path], None] | None = None,
+    calib_arith: str | None = None,
 ) -> ConversionReport:
     """Load `source`, make it fp16-safe and save an ordinary fp16 checkpoint to `out`. `long_sample`:
     also calibrate on one sample of that many tokens (the embedded text repeated). `stream` (default): run and
     rewrite the model one block at a time from its shards (halfsafe.engine) where its layout allows, on `device`.
     `tokenizer`: a folder to take the tokenizer from (and save with the result) instead of MODEL's own.
     `finish(folder)` adds to the saved checkpoint in its temporary folder before it becomes `out` (convert --to onnx).
-    The options become one checked `ConvertRequest` (halfsafe.requests) before anything runs: `run_convert`."""
+    `calib_arith`: how the calibration's matrix products compute ("auto", "float32", "bfloat16":
+    halfsafe.engine.calib_arith). The options become one checked `ConvertRequest` (halfsafe.requests) before anything runs: `run_convert`."""
     request = ConvertRequest(
         source, out, TextOptions(texts, seq_len, max_samples, tokenizer),
-        PlanOptions.checked(headroom_bits, max_context, allow_unfixable, runtime=runtime, fp16_arith=fp16_arith),
+        PlanOptions.checked(headroom_bits, max_context, allow_unfixable, runtime=runtime, fp16_arith=fp16_arith,
+                            calib_arith=calib_arith),
         long_sample=long_sample, overwrite=overwrite, progress=progress, engine=EngineOptions(stream, device),
         max_shard_size=max_shard_size,
     )

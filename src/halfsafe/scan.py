@@ -15,6 +15,8 @@ from .core.formats import FP16_MAX
 from .core.forward import model_inputs, prefix, run_for_stats
 from .core.sites import Site, block_of, find_blocks, headroom_bits
 from .core.stats import ActivationCollector, SiteStats
+from .engine.calib_arith import calib_arith
+from .engine.calib_arith import resolve as resolve_calib
 from .engine.fp16_arith import resolve
 from .engine.pipeline import in_step
 from .engine.precision import in_dtype
@@ -185,7 +187,9 @@ def scan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Scan
     """`scan` for options already checked."""
     profile = options.runtime
     extra = RuntimeCollector(model, profile) if not profile.is_torch else None
-    sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext())
+    used = resolve_calib(options.calib_arith, model)["used"]
+    with calib_arith(used):  # the matrix products' arithmetic (float32, or bfloat16 operands where chosen)
+        sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext())
     report = ScanReport(
         model=name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         model_type=model.config.model_type,

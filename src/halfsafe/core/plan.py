@@ -42,6 +42,11 @@ class Constraint:
 def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, float]], groups: list[Group], params: Mapping[str, torch.Tensor]) -> list[Constraint]:
     """Measured activations plus every moved weight (a weight must fit fp16 too). `params`: each parameter's
     current value by name (`weights_of(model).values()`, read a block of rows at a time where it offers that)."""
+    return site_constraints(sites, governed) + weight_constraints(groups, params)
+
+
+def site_constraints(sites: dict[str, SiteStats], governed: dict[str, dict[str, float]]) -> list[Constraint]:
+    """The measured activations' constraints (`constraints_from`'s first part)."""
     powers_by_site: dict[str, dict[str, float]] = {}
     for group_name, sites_moved in governed.items():
         for site, p in sites_moved.items():
@@ -51,11 +56,16 @@ def constraints_from(sites: dict[str, SiteStats], governed: dict[str, dict[str, 
     if bad is not None:
         raise HalfsafeError(f"{bad} is non-finite even in float32: the model's weights are corrupt (or its inputs); "
                             "re-download or re-save the checkpoint")
-    out = [
+    return [
         Constraint(name, math.log2(s.abs_max), powers_by_site.get(name, {}))
         for name, s in sites.items()
         if s.abs_max > 0
     ]
+
+
+def weight_constraints(groups: list[Group], params: Mapping[str, torch.Tensor]) -> list[Constraint]:
+    """Every moved weight's constraint (`constraints_from`'s second part): its peak, read from `params`."""
+    out: list[Constraint] = []
     moves: dict[str, list[tuple[str, TensorMove]]] = {}  # param -> [(group, move)]
     for g in groups:
         for m in g.moves:

@@ -63,12 +63,27 @@ class SiteStats:
     def underflow_fraction(self) -> float:
         return self.below_fp16_min_normal / self.nonzero if self.nonzero else 0.0
 
-    def update(self, x: torch.Tensor) -> None:
-        # In chunks, so a [seq, vocab] logits tensor needs no full-size temporaries.
-        for chunk in x.detach().flatten().split(_CHUNK):
-            self._update_chunk(chunk)
+    def update(self, x: torch.Tensor, summaries: "list[ChunkSummary] | None" = None) -> None:
+        """Take `x` in; `summaries`: `chunk_summaries(x)` where the caller has them already (the same tensor seen at
+        another site: what it adds is the same)."""
+        for summary in chunk_summaries(x) if summaries is None else summaries:
+            self.add(summary)
         if self.track_columns:
             self._update_columns(x.detach())
+
+    def add(self, s: "ChunkSummary") -> None:
+        """Take in one chunk's summary (`summarize_chunk`)."""
+        if s.nonfinite:
+            self.nonfinite += s.nonfinite
+            self.abs_max = math.inf
+            if s.numel == 0:
+                return
+        self.numel += s.numel
+        self.abs_max = max(self.abs_max, s.abs_max)
+        self.above_fp16_max += s.above_fp16_max
+        self.nonzero += s.nonzero
+        self.below_fp16_min_normal += s.below_fp16_min_normal
+        self.percentile = max(self.percentile, s.percentile)
 
     def _update_columns(self, x: torch.Tensor) -> None:
         cols = x.abs().reshape(-1, x.shape[-1] if x.dim() else 1).amax(0).float().cpu()
@@ -79,27 +94,6 @@ class SiteStats:
         else:  # calls of another width share this site: only the whole tensor's max is comparable
             self.column_max = torch.maximum(self.column_max.max(), cols.max()).reshape(1)
 
-    def _update_chunk(self, x: torch.Tensor) -> None:
-        a = x.abs()
-        amax = float(a.max())
-        if not math.isfinite(amax):
-            finite = torch.isfinite(a)
-            self.nonfinite += int(a.numel() - finite.sum())
-            self.abs_max = math.inf
-            a = a[finite]
-            if a.numel() == 0:
-                return
-            amax = float(a.max())
-        self.numel += a.numel()
-        self.abs_max = max(self.abs_max, amax)
-        if amax > FP16_MAX:
-            self.above_fp16_max += int(torch.count_nonzero(a > FP16_MAX))
-        zeros = a.numel() - int(torch.count_nonzero(a))
-        self.nonzero += a.numel() - zeros
-        self.below_fp16_min_normal += int(torch.count_nonzero(a < FP16_MIN_NORMAL)) - zeros
-        sample = a[:: max(1, a.numel() // _PERCENTILE_SAMPLE)].float()
-        k = max(1, math.ceil(sample.numel() * PERCENTILE / 100))
-        self.percentile = max(self.percentile, float(sample.kthvalue(k).values))
 
     def to_dict(self) -> dict:
         return {
@@ -113,6 +107,69 @@ class SiteStats:
             "headroom_bits": self.headroom_bits,
             "nonfinite": self.nonfinite,
         }
+
+
+@dataclass(frozen=True)
+class ChunkSummary:
+    """What one chunk of a tensor adds to a site's statistics (`SiteStats.add`)."""
+
+    nonfinite: int = 0
+    numel: int = 0  # finite entries
+    abs_max: float = 0.0
+    above_fp16_max: int = 0
+    nonzero: int = 0
+    below_fp16_min_normal: int = 0
+    percentile: float = 0.0
+
+
+def summarize_chunk(x: torch.Tensor) -> ChunkSummary:
+    a = x.abs()
+    amax = float(a.max())
+    nonfinite = 0
+    if not math.isfinite(amax):
+        finite = torch.isfinite(a)
+        nonfinite = int(a.numel() - finite.sum())
+        a = a[finite]
+        if a.numel() == 0:
+            return ChunkSummary(nonfinite)
+        amax = float(a.max())
+    above = int(torch.count_nonzero(a > FP16_MAX)) if amax > FP16_MAX else 0
+    zeros = a.numel() - int(torch.count_nonzero(a))
+    below = int(torch.count_nonzero(a < FP16_MIN_NORMAL)) - zeros
+    sample = a[:: max(1, a.numel() // _PERCENTILE_SAMPLE)].float()
+    k = max(1, math.ceil(sample.numel() * PERCENTILE / 100))
+    # the k-th smallest is the (n - k + 1)-th largest: the same value as kthvalue(k), from a top-66 of 65536 (3x faster)
+    kth = float(sample.topk(sample.numel() - k + 1).values[-1])
+    return ChunkSummary(nonfinite, a.numel(), amax, above, a.numel() - zeros, below, kth)
+
+
+def chunk_summaries(x: torch.Tensor) -> list[ChunkSummary]:
+    """`x`'s summaries, a chunk at a time, so a [seq, vocab] logits tensor needs no full-size temporaries."""
+    return [summarize_chunk(chunk) for chunk in x.detach().flatten().split(_CHUNK)]
+
+
+class SeenTensors:
+    """The summaries of the last few tensors recorded (`chunk_summaries`), by the tensor itself and its version: one
+    tensor recorded at several sites (a norm's output at the norm and at each projection reading it, a module's
+    output at its parent's, a block's output at the next norm's input) is summarised once. Each entry holds its
+    tensor, so no other tensor can take its place while the entry lives; a tensor changed in place has another
+    version and is summarised again."""
+
+    def __init__(self, size: int = 3) -> None:  # 3: a Llama MLP's input, seen again after gate's output and act's
+        self.size = size
+        self._recent: list[tuple[torch.Tensor, int, list[ChunkSummary]]] = []
+
+    def summaries(self, t: torch.Tensor) -> list[ChunkSummary]:
+        for seen, version, out in self._recent:
+            if seen is t and version == t._version:
+                return out
+        out = chunk_summaries(t)
+        if self.size:
+            self._recent = [(t, t._version, out), *self._recent[:self.size - 1]]
+        return out
+
+    def clear(self) -> None:
+        self._recent = []
 
 
 def first_tensor(value) -> torch.Tensor | None:
@@ -200,6 +257,7 @@ class ActivationCollector(SiteCollector):
     _stacks: dict = field(default_factory=dict)
     _order: dict = field(default_factory=dict)  # per forward, its sites in the order it first recorded them
     _nonfinite: dict = field(default_factory=dict)  # per forward, its first non-finite site
+    _seen: SeenTensors = field(default_factory=SeenTensors)  # one tensor at several sites is summarised once
 
     @property
     def _running(self) -> list:
@@ -220,6 +278,7 @@ class ActivationCollector(SiteCollector):
     def __exit__(self, *exc) -> None:
         self.remove()
         self._stacks.clear()
+        self._seen.clear()
         if len(self._order) > 1:  # forwards in step: each one's sites in turn, as when they run one after another
             order = dict.fromkeys(s for k in sorted(self._order, key=_lane_order) for s in self._order[k])
             self.sites = {s: self.sites[s] for s in order}
@@ -234,7 +293,7 @@ class ActivationCollector(SiteCollector):
         stats = self.sites.get(site)
         if stats is None:
             stats = self.sites[site] = SiteStats(site, type(module).__name__, track_columns=self.columns)
-        stats.update(t)
+        stats.update(t, self._seen.summaries(t))
 
     def _enter_call(self, name: str) -> int:
         """Push a frame for `name`; its call number inside the module that runs around it."""

@@ -1,5 +1,6 @@
 """The engine's option vocabulary, without torch: the names of `--fp16-arith` (how the float16 trials compute,
-halfsafe.engine.fp16_arith) with their default and check, and the largest weight file written (engine.write).
+halfsafe.engine.fp16_arith) and of `--calib-arith` (how the calibration's matrix products compute,
+halfsafe.engine.calib_arith) with their defaults and checks, and the largest weight file written (engine.write).
 The requests (halfsafe.requests) read their defaults and checks from here, so the command line builds its parser
 without importing torch, and the engine needs nothing from the floors above it."""
 
@@ -21,4 +22,17 @@ def check_fp16_arith(asked: str | None) -> str:
     asked = DEFAULT_FP16_ARITH if asked is None else asked
     if asked not in FP16_ARITHS:
         raise HalfsafeError(f"unknown --fp16-arith {asked!r}: use {' or '.join(FP16_ARITHS)}")
+    return asked
+
+
+FLOAT32, BFLOAT16 = "float32", "bfloat16"
+CALIB_ARITHS = (AUTO, FLOAT32, BFLOAT16)  # how the calibration's matrix products compute (halfsafe.engine.calib_arith)
+DEFAULT_CALIB_ARITH = AUTO
+
+
+def check_calib_arith(asked: str | None) -> str:
+    """The --calib-arith option as given (None: the default); an unknown name is a one-line error."""
+    asked = DEFAULT_CALIB_ARITH if asked is None else asked
+    if asked not in CALIB_ARITHS:
+        raise HalfsafeError(f"unknown --calib-arith {asked!r}: use {' or '.join(CALIB_ARITHS)}")
     return asked

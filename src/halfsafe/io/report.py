@@ -77,8 +77,9 @@ class Conversion:
     runtime: dict | None = None  # convert --runtime only
     checkpoint_reads: dict | None = None  # a streamed model only: passes over its checkpoint per phase
     fp16_arith: dict | None = None  # how the candidates' float16 ran (torch runtime only)
+    calib_arith: dict | None = None  # how the calibration's matrix products ran (halfsafe.engine.calib_arith)
 
-    _OPTIONAL = ("runtime", "checkpoint_reads", "fp16_arith")  # left out when None; margin is written as null
+    _OPTIONAL = ("runtime", "checkpoint_reads", "fp16_arith", "calib_arith")  # left out when None; margin is written as null
 
     def to_dict(self) -> dict:
         d: dict[str, Any] = {"plan": self.plan.to_dict(), "margin": self.margin.to_dict() if self.margin else None}

@@ -3,6 +3,8 @@ function's keyword arguments) and handed down as it is: below the edge, nothing 
 again. Every default is written here once; the command line's parser reads them. Nothing here imports torch."""
 
 from .common import (
+    CALIB_ARITHS,
+    DEFAULT_CALIB_ARITH,
     DEFAULT_FP16_ARITH,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_MODEL,
@@ -11,6 +13,7 @@ from .common import (
     EngineOptions,
     Fp16Options,
     TextOptions,
+    check_calib_arith,
     check_fp16_arith,
     runtime_profile,
 )
@@ -22,9 +25,9 @@ from .scan import SCAN_TEXT, TOP, ScanOptions, ScanRequest
 from .verify import GREEDY_TOKENS, PROMPT_TOKENS, VERIFY_TEXT, VerifyRequest
 
 __all__ = [
-    "APPLY_TEXT", "CANDIDATES", "CONVERT_TEXT", "DEFAULT_FP16_ARITH", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MODEL", "FINETUNE_TEXT",
+    "APPLY_TEXT", "CALIB_ARITHS", "CANDIDATES", "CONVERT_TEXT", "DEFAULT_CALIB_ARITH", "DEFAULT_FP16_ARITH", "DEFAULT_MAX_SHARD_SIZE", "DEFAULT_MODEL", "FINETUNE_TEXT",
     "FORMATS", "FP16_ARITHS", "GREEDY_TOKENS", "PROMPT_TOKENS", "SCAN_TEXT", "TARGETS", "TOP", "TORCH", "TRAIN_MODES",
     "VERIFY_TEXT", "ApplyRequest", "ConvertRequest", "EngineOptions", "ExportRequest", "FinetuneConfig",
     "FinetuneRequest", "Fp16Options", "MarginOptions", "PlanOptions", "ScanOptions", "ScanRequest", "TextOptions",
-    "VerifyRequest", "check_fp16_arith", "runtime_profile",
+    "VerifyRequest", "check_calib_arith", "check_fp16_arith", "runtime_profile",
 ]

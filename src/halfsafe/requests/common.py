@@ -8,11 +8,16 @@ from dataclasses import dataclass
 
 from ..engine.choices import (  # noqa: F401  (the engine's option names, defaults and checks; re-exported)
     AUTO,
+    BFLOAT16,
+    CALIB_ARITHS,
+    DEFAULT_CALIB_ARITH,
     DEFAULT_FP16_ARITH,
     DEFAULT_MAX_SHARD_SIZE,
     EMULATED,
+    FLOAT32,
     FP16_ARITHS,
     NATIVE,
+    check_calib_arith,
     check_fp16_arith,
 )
 from ..runtime.profiles import DEFAULT as DEFAULT_RUNTIME

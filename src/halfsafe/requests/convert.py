@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import HalfsafeError
 from ..runtime.profiles import RuntimeProfile
-from .common import DEFAULT_MAX_SHARD_SIZE, EngineOptions, Fp16Options, TextOptions
+from .common import DEFAULT_CALIB_ARITH, DEFAULT_MAX_SHARD_SIZE, EngineOptions, Fp16Options, TextOptions, check_calib_arith
 from .margin import MarginOptions
 
 CONVERT_TEXT = TextOptions(seq_len=512, max_samples=8)
@@ -19,12 +19,18 @@ TARGETS = ("onnx",)  # convert --to
 @dataclass(frozen=True)
 class PlanOptions:
     """What choosing a plan takes (halfsafe.convert.plan_with): the margin, whether a plan that leaves activations
-    above 65504 may be saved, how many residual scales are measured, the float16 arithmetic it is chosen under."""
+    above 65504 may be saved, how many residual scales are measured, the float16 arithmetic it is chosen under, and
+    how the calibration's matrix products compute (`calib_arith`, halfsafe.engine.calib_arith: auto, float32 or
+    bfloat16)."""
 
     margin: MarginOptions = field(default_factory=MarginOptions)
     allow_unfixable: bool = False
     candidates: int = CANDIDATES
     fp16: Fp16Options = field(default_factory=Fp16Options)
+    calib_arith: str = DEFAULT_CALIB_ARITH
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calib_arith", check_calib_arith(self.calib_arith))
 
     @property
     def runtime(self) -> RuntimeProfile:
@@ -33,8 +39,9 @@ class PlanOptions:
     @classmethod
     def checked(cls, headroom_bits: float | None = None, max_context: int | None = None, allow_unfixable: bool = False,
                 candidates: int = CANDIDATES, runtime: str | RuntimeProfile | None = None,
-                fp16_arith: str | None = None) -> "PlanOptions":
-        return cls(MarginOptions(max_context, headroom_bits), allow_unfixable, candidates, Fp16Options.checked(runtime, fp16_arith))
+                fp16_arith: str | None = None, calib_arith: str | None = None) -> "PlanOptions":
+        return cls(MarginOptions(max_context, headroom_bits), allow_unfixable, candidates, Fp16Options.checked(runtime, fp16_arith),
+                   check_calib_arith(calib_arith))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..runtime.profiles import RuntimeProfile
-from .common import DEFAULT_MODEL, EngineOptions, Fp16Options, TextOptions
+from .common import DEFAULT_MODEL, FLOAT32, EngineOptions, Fp16Options, TextOptions, check_calib_arith
 
 SCAN_TEXT = TextOptions(seq_len=512, max_samples=8)
 TOP = 12  # rows in the tightest-tensors table
@@ -15,10 +15,16 @@ TOP = 12  # rows in the tightest-tensors table
 @dataclass(frozen=True)
 class ScanOptions:
     """What a scan measures besides the float32 activations: `fp16.runtime`'s float16 quantities (none for torch),
-    and with `fp16_check` a float16 run computed as `fp16.fp16_arith` says."""
+    and with `fp16_check` a float16 run computed as `fp16.fp16_arith` says. `calib_arith`: how the activations'
+    matrix products compute (halfsafe.engine.calib_arith; `halfsafe scan` measures in float32, convert's calibration
+    as its --calib-arith chose)."""
 
     fp16_check: bool = False
     fp16: Fp16Options = field(default_factory=Fp16Options)
+    calib_arith: str = FLOAT32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "calib_arith", check_calib_arith(self.calib_arith))
 
     @property
     def runtime(self) -> RuntimeProfile:
