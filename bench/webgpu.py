@@ -92,7 +92,7 @@ def export(work: Path, name: str, source: Path, converted: Path) -> Path:
         tmp.rmdir()
     else:
         src = source if name == "unconverted" else converted
-        runtime = {"default": None, "all-fp16": "all-fp16"}.get(name, name.removeprefix("runtime-"))
+        runtime = {"default": None, "unconverted": None, "all-fp16": "all-fp16"}.get(name, name.removeprefix("runtime-"))
         report = export_onnx(src, folder, overwrite=True, runtime=runtime)
         (work / f"{name}.export.json").write_text(json.dumps(report.to_dict()))
     log(f"  {time.perf_counter() - t:.0f} s")

@@ -48,16 +48,20 @@ def _feeds(graph, ids: np.ndarray) -> dict[str, np.ndarray]:
     return feeds
 
 
-@pytest.mark.parametrize("key, runtime", [("gemma3_text", None), ("gemma3_text", "ort-webgpu"), ("llama", None)])
+@pytest.mark.parametrize("key, runtime", [("gemma3_text", None), ("gemma3_text", "ort-webgpu"), ("gemma3_text", "qk4"),
+                                          ("llama", None)])
 def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key, runtime):
     """The plain export against the profile without its split-K; `export onnx --runtime ort-webgpu` (K of every
-    linear and of the head in 16 groups: 4 products each at hidden size 64) against the profile itself."""
+    linear and of the head in 16 groups: 4 products each at hidden size 64) against the profile itself; "qk4": the
+    profile with attention's QK^T split too (head dim 16 in 4 groups), exported and emulated."""
     model = make_tiny(key)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
-    export_onnx(tmp_path / "model", tmp_path / "onnx", runtime=runtime)
     profile = get_profile("ort-webgpu")
     if runtime is None:
         profile = replace(profile, split_k=(1, 1, 1))
+    elif runtime == "qk4":
+        profile = replace(profile, split_k=(16, 16, 4))
+    export_onnx(tmp_path / "model", tmp_path / "onnx", runtime=None if runtime is None else profile)
     path = tmp_path / "onnx" / ONNX_FILE
     ids = (np.array([[2, 17, 99, 5, 77, 31, 8, 120, 3, 44, 61, 12]]) % model.config.vocab_size).astype(np.int64)
     feeds = _feeds(onnx.load(str(path)).graph, ids)

@@ -37,7 +37,7 @@ def test_every_profile_names_kernels_that_exist():
 
     assert {p.kernels for p in PROFILES.values()} <= set(KERNELS)
     for name, module in KERNELS.items():
-        assert module.NAME == name and callable(module.ATTENTION[1])
+        assert module.NAME == name and callable(module.attention(PROFILES['all-fp16'])[1])
         assert callable(module.graph_norm_forward) and callable(module.activation_forward)
     with pytest.raises(HalfsafeError, match="no float16 kernels named 'metal'"):
         kernels_for("metal")

@@ -60,11 +60,11 @@ def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True
     return forward
 
 
-def _register_attention(kernels: str) -> str:
+def _register_attention(profile: RuntimeProfile) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    name, function = kernels_for(kernels).ATTENTION
+    name, function = kernels_for(profile.kernels).attention(profile)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, eager_mask)
     return name
@@ -98,7 +98,7 @@ def emulate_runtime(model: nn.Module, profile: RuntimeProfile) -> RuntimeHandle:
                 m.forward = types.MethodType(patched, m)
                 handle.add_undo(lambda m=m: m.__dict__.pop("forward", None))
         if profile.attention_kernels is not None:
-            name = _register_attention(profile.attention_kernels)
+            name = _register_attention(profile)
             for c in _configs(model):
                 before = c._attn_implementation
                 c._attn_implementation = name

@@ -70,7 +70,7 @@ class RuntimeProfile:
     lanes: int = 64  # float16 reductions: this many strided running sums, then a pairwise tree (reduction_ops.cc)
     # `export onnx --runtime P`: split-K of the graph's products (linears, head, attention QK^T) into this many groups
     # (halfsafe.export.onnx_split_k), for runtimes whose MatMul keeps one float16 running sum over K; the emulation
-    # splits the linears and the head alike (not attention's QK^T)
+    # splits the linears, the head and QK^T alike
     split_k: tuple[int, int, int] = (1, 1, 1)
     kernels: str = GENERIC  # "ort-webgpu": softmax, GELU (tanh), norms and attention's scaling as arith16_webgpu
 

@@ -2,8 +2,8 @@
 arithmetic: how attention, the graph's norms and activation modules compute under that runtime. The linears'
 float16 accumulation is data every profile carries (`matmul_chunk`, `split_k`), emulated in runtime.emulate.
 
-A kernel module provides `NAME` (the profile's `kernels`), `ATTENTION` (the attention function's registered name
-and the function, transformers' eager signature), `graph_norm_forward(original, profile)` and
+A kernel module provides `NAME` (the profile's `kernels`), `attention(profile)` (the attention function's
+registered name and the function, transformers' eager signature), `graph_norm_forward(original, profile)` and
 `activation_forward(original)` (a module's forward under those kernels, or None: PyTorch's). A new kind of float16
 arithmetic is one module here, its scalar arithmetic in core/ (as core/arith16_webgpu.py), a RuntimeProfile naming
 it (runtime/profiles.py) and its tests against the real runtime (as tests/test_ort_webgpu_ops.py).

@@ -116,4 +116,6 @@ def activation_forward(original):
     return None
 
 
-ATTENTION = (ATTENTION_NAME, attention16)
+def attention(profile: RuntimeProfile):
+    """(registered name, function): attention16 (the profiles' runs of 32 products; no split-K of QK^T)."""
+    return ATTENTION_NAME, attention16

@@ -12,6 +12,7 @@ The linears' float16 running sum is the profile's data (`matmul_chunk=1`, `split
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -66,19 +67,33 @@ def graph_norm_forward(original, profile: RuntimeProfile):
     return forward
 
 
+def _qk16(q: torch.Tensor, k: torch.Tensor, groups: int) -> torch.Tensor:
+    """QK^T as the runtime computes it: one float16 running sum over the head dimension, or, split-K (the export's
+    `attention` groups, halfsafe.export.onnx_split_k), a running sum per consecutive run added pairwise by halves."""
+    d = q.shape[-1]
+    g = arith16.split_groups(d, groups)
+    bounds = [d * i // g for i in range(g + 1)]
+    parts = [arith16.sequential_matmul16(q[..., a:b], k[..., a:b]) for a, b in zip(bounds, bounds[1:])]
+    while len(parts) > 1:
+        h = len(parts) // 2
+        parts = [arith16.r16(x + y) for x, y in zip(parts[:h], parts[h:])]
+    return parts[0]
+
+
 def attention_webgpu16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                       **kwargs):
+                       groups: int = 1, **kwargs):
     """Attention as ONNX Runtime WebGPU runs torch.onnx's decomposed SDPA, every step in float16: q and k each times
-    sqrt(scale), QK^T and PV as float16 running sums of rounded products, the mask added, the online softmax
-    (arith16_webgpu). A softcap (eager attention's) is applied as attention16 does, after an unsplit scale."""
+    sqrt(scale), QK^T (its head dimension in `groups` as the export splits it) and PV as float16 running sums of
+    rounded products, the mask added, the online softmax (arith16_webgpu). A softcap (eager attention's) is applied
+    as attention16 does, after an unsplit scale."""
     scaling, key, value = attention_inputs(module, key, value, scaling)
     q, k, v = (arith16.r16(t.float()) for t in (query, key, value))
     if softcap is None:
         root = arith16.scalar16(math.sqrt(scaling))
-        logits = arith16.sequential_matmul16(arith16.r16(q * root), arith16.r16(k * root))
+        logits = _qk16(arith16.r16(q * root), arith16.r16(k * root), groups)
     else:
         cap = arith16.scalar16(softcap)
-        logits = arith16.r16(arith16.sequential_matmul16(q, k) * arith16.scalar16(scaling))
+        logits = arith16.r16(_qk16(q, k, groups) * arith16.scalar16(scaling))
         logits = arith16.r16(arith16.r16(torch.tanh(arith16.r16(logits / cap))) * cap)
     if attention_mask is not None:
         logits = arith16.r16(logits + arith16.r16(attention_mask[..., : key.shape[-2]].float()))
@@ -135,4 +150,9 @@ def activation_forward(original):
     return forward
 
 
-ATTENTION = (ATTENTION_NAME, attention_webgpu16)
+def attention(profile: RuntimeProfile):
+    """(registered name, function): attention_webgpu16 with QK^T split as the profile's export splits it."""
+    groups = profile.split_k[2]
+    if groups == 1:
+        return ATTENTION_NAME, attention_webgpu16
+    return f"{ATTENTION_NAME}_qk{groups}", functools.partial(attention_webgpu16, groups=groups)
