@@ -99,18 +99,19 @@ def test_groups_divide_k():
 def test_profile_splits_every_product_with_static_k(exported):
     """The linears and the head become one batched MatMul each, under the rewrite's names, with K / G per group."""
     root, model, *_, split = exported
-    linear, head, _ = get_profile("ort-webgpu").split_k
+    linear, head, attention = get_profile("ort-webgpu").split_k
     layers = model.config.num_hidden_layers
-    assert split.split_k["split"]["linear"] == 7 * layers and split.split_k["split"]["head"] == 1
+    assert split.split_k["split"] == {"linear": 7 * layers, "head": 1, "attention": layers}
     assert split.head_groups == 1  # the torch-level head split (onnx_accumulate) is not stacked on it
     proto = onnx.load(str(root / "split" / ONNX_FILE))
     matmuls = [n for n in proto.graph.node if n.op_type == "MatMul"]
     kept = [n for n in matmuls if not n.name.startswith(PREFIX)]
-    assert len(kept) == 2 * layers  # attention's products: QK^T (its K, the head dimension, left whole), PV
+    assert len(kept) == layers  # attention's PV (its K, the sequence, is not static); QK^T is split
     hidden = model.config.hidden_size
     g, gh = groups_for(hidden, linear), groups_for(hidden, head)
     assert g > 1 and gh > 1
-    assert len(matmuls) == len(kept) + 7 * layers + gh  # a batched MatMul per linear, the head's G slices
+    assert groups_for(model.config.head_dim, attention) > 1
+    assert len(matmuls) == len(kept) + 7 * layers + gh + layers  # a batched MatMul per linear and QK^T, the head's slices
     shapes = [tuple(onnx.numpy_helper.to_array(n.attribute[0].t)) for n in proto.graph.node
               if n.op_type == "Constant" and n.name.startswith(PREFIX)]
     assert (g, 1, hidden // g, model.config.intermediate_size) in shapes  # gate/up's weight as [G, 1, K/G, N]

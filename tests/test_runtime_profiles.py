@@ -60,7 +60,7 @@ def test_profiles_answer_what_they_emulate_measure_and_export():
     assert all(p[n].linear_split("linear") == 1 for n in p if n != "ort-webgpu")
     # the export's rewrites, as data
     assert [n for n in p if p[n].prescales_norms] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
-    assert webgpu.onnx_split_k == (16, 16, 1) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
+    assert webgpu.onnx_split_k == (16, 16, 16) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
     assert [n for n in p if p[n].splits_head] == ["fp16-accumulate", "all-fp16"]
 
 
@@ -238,21 +238,23 @@ def test_split_matmul16_adds_the_groups_as_the_export_does():
 
 
 def test_ort_webgpu_emulates_the_split_k_export():
-    """The profile's emulation splits each linear's K (and the head's) as its export does: on a tiny Gemma 3 the
-    logits differ from the unsplit emulation's."""
+    """The profile's emulation splits each linear's K (the head's and QK^T's too) as its export does: on a tiny
+    Gemma 3 the logits differ from the unsplit emulation's, and from those with QK^T left whole."""
     from dataclasses import replace
 
     model = make_tiny("gemma3_text")
     half = cast_copy(model, torch.float16).eval()
     ids = tiny_ids(model)
     profile = get_profile("ort-webgpu")
-    assert profile.split_k == (16, 16, 1)
+    assert profile.split_k == (16, 16, 16)
     with torch.no_grad():
         with emulate_runtime(half, profile):
             split = half(input_ids=ids).logits
+        with emulate_runtime(half, replace(profile, split_k=(16, 16, 1))):
+            qk_whole = half(input_ids=ids).logits
         with emulate_runtime(half, replace(profile, split_k=(1, 1, 1))):
             whole = half(input_ids=ids).logits
-    assert not torch.equal(split, whole) and torch.isfinite(split).all()
+    assert not torch.equal(split, whole) and not torch.equal(split, qk_whole) and torch.isfinite(split).all()
 
 
 def test_ort_webgpu_layer_norm_is_the_fused_kernel():

@@ -42,9 +42,13 @@ breaks under it. The kernels each profile follows, read at the commits named:
   them into (SiLU's Sigmoid and Mul: QuickGelu; gelu_new: FastGelu; Add and LayerNormalization: SkipLayerNorm,
   the same arithmetic). Measured: the default export of Gemma 3 270M on the runtime and this profile's emulation
   give the same logits bit for bit (48 tokens, all 262144 per token), as do tiny Gemma 3, Llama and GPT-2 exports.
-  `split_k` is emulated too (arith16.split_matmul16): the profile computes what `export onnx --runtime ort-webgpu`
-  writes, measured bit for bit on Gemma 3 270M as well (KL 1.41e-4 against 1.93e-3 unsplit, 48 tokens); the plain
-  export is `dataclasses.replace(profile, split_k=(1, 1, 1))`.
+  `split_k` is emulated too (arith16.split_matmul16; QK^T in kernels.ort_webgpu): the profile computes what
+  `export onnx --runtime ort-webgpu` writes, measured bit for bit on Gemma 3 270M with linears and head split in 16
+  (KL 1.41e-4 against 1.93e-3 unsplit, 48 tokens) and on tiny Gemma 3 with QK^T split too (tests); the plain export
+  is `dataclasses.replace(profile, split_k=(1, 1, 1))`. The default (16, 16, 16), every product's K in 16 groups,
+  was chosen from bench/webgpu.py's curve on Gemma 3 270M under the real provider: the one point measured at least
+  10x below bf16's KL (8.2e-5 against 9.3e-4), at 1.6x the plain export's time on lavapipe; linears and head alone
+  in 16 (the earlier default) gave 1.75e-4 at 1.9x, in 4 with QK^T in 4 3.3e-4 at 1.05x.
 """
 
 from __future__ import annotations
@@ -163,8 +167,8 @@ PROFILES = {p.name: p for p in (
                    rms_stats_fp16=True, layernorm_fp16=True, matmul_chunk=32, attention_fp16=True),
     RuntimeProfile("ort-webgpu", "ONNX Runtime's WebGPU provider (transformers.js device 'webgpu', onnxruntime-node "
                    "1.30, measured on lavapipe): MatMul a float16 running sum of rounded products; attention, softmax, "
-                   "GELU and norms as its shaders compute them. The export splits K (linears, head, QK^T) into groups "
-                   "added pairwise", matmul_chunk=1, attention_fp16=True, kernels="ort-webgpu", split_k=(16, 16, 1)),
+                   "GELU and norms as its shaders compute them. The export splits K (linears, head, QK^T) into 16 groups "
+                   "added pairwise", matmul_chunk=1, attention_fp16=True, kernels="ort-webgpu", split_k=(16, 16, 16)),
 )}
 
 
