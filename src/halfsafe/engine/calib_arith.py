@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 
@@ -35,6 +34,7 @@ from .choices import AUTO, BFLOAT16, FLOAT32
 from .choices import CALIB_ARITHS as ARITHS  # noqa: F401
 from .choices import DEFAULT_CALIB_ARITH as DEFAULT  # noqa: F401
 from .choices import check_calib_arith as check_arith
+from .fp16_arith import product_seconds
 
 FAST = 1.5  # bfloat16 products this many times faster than float32 ones make "auto" take bfloat16
 PEAK_RTOL = 2.0 ** -5  # a peak from bfloat16 products is within this relative distance of float32's (module docstring)
@@ -115,17 +115,7 @@ def bfloat16_products_speedup() -> float:
     """How many times faster PyTorch's bfloat16 matrix product is than its float32 one on this CPU, measured once
     (best of 3, [256, 1024] x [1024, 1024]; well under a second): about 4 with AVX512-BF16 or AMX, under 1 without."""
     x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
-
-    def best(a, b) -> float:
-        a @ b
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(x, w) / best(x.bfloat16(), w.bfloat16())
+    return product_seconds(x, w) / product_seconds(x.bfloat16(), w.bfloat16())
 
 
 def resolve(asked: str | None, model) -> dict:

@@ -17,12 +17,17 @@ FP16_ARITHS = (AUTO, EMULATED, NATIVE)  # how the float16 trials compute (halfsa
 DEFAULT_FP16_ARITH = AUTO
 
 
+def _check_choice(flag: str, asked: str | None, choices: tuple[str, ...], default: str) -> str:
+    """An option of named choices as given (None: the default); an unknown name is a one-line error."""
+    asked = default if asked is None else asked
+    if asked not in choices:
+        raise HalfsafeError(f"unknown {flag} {asked!r}: use {' or '.join(choices)}")
+    return asked
+
+
 def check_fp16_arith(asked: str | None) -> str:
     """The --fp16-arith option as given (None: the default); an unknown name is a one-line error."""
-    asked = DEFAULT_FP16_ARITH if asked is None else asked
-    if asked not in FP16_ARITHS:
-        raise HalfsafeError(f"unknown --fp16-arith {asked!r}: use {' or '.join(FP16_ARITHS)}")
-    return asked
+    return _check_choice("--fp16-arith", asked, FP16_ARITHS, DEFAULT_FP16_ARITH)
 
 
 FLOAT32, BFLOAT16 = "float32", "bfloat16"
@@ -32,7 +37,4 @@ DEFAULT_CALIB_ARITH = AUTO
 
 def check_calib_arith(asked: str | None) -> str:
     """The --calib-arith option as given (None: the default); an unknown name is a one-line error."""
-    asked = DEFAULT_CALIB_ARITH if asked is None else asked
-    if asked not in CALIB_ARITHS:
-        raise HalfsafeError(f"unknown --calib-arith {asked!r}: use {' or '.join(CALIB_ARITHS)}")
-    return asked
+    return _check_choice("--calib-arith", asked, CALIB_ARITHS, DEFAULT_CALIB_ARITH)

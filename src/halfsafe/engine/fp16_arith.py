@@ -68,22 +68,23 @@ class Fp32MatrixKernels(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def product_seconds(a: torch.Tensor, b: torch.Tensor, tries: int = 3) -> float:
+    """The best of `tries` timings of `a @ b`, after one untimed run: how fast this CPU multiplies in their dtype."""
+    a @ b
+    times = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @functools.cache
 def float16_products_slowdown() -> float:
     """How many times slower PyTorch's float16 matrix product is than its float32 one on this CPU, measured once
     (best of 3, [128, 1024] x [1024, 512]; about 0.1 s where float16 is slow): about 1 with AVX512-FP16, 7 without."""
     x, w = torch.randn(128, 1024), torch.randn(1024, 512)
-
-    def best(a, b) -> float:
-        a @ b
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(x.half(), w.half()) / best(x, w)
+    return product_seconds(x.half(), w.half()) / product_seconds(x, w)
 
 
 def resolve(asked: str | None, model) -> dict:
