@@ -30,7 +30,7 @@ from .core.plan import (
     weight_constraints,
 )
 from .core.rewrite import apply_exponents_, model_key, trial
-from .core.shrink import probe_governed
+from .core.shrink import EXPERT_FIELDS, TOP_K_FIELDS, probe_governed
 from .core.sites import Site
 from .core.stats import is_fused_experts
 from .core.weights import value_blocks, weights_of
@@ -330,7 +330,7 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
     )
 
 
-ROUTER_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok")
+ROUTER_FIELDS = (*EXPERT_FIELDS, "moe_num_experts", *TOP_K_FIELDS)  # a config that counts or picks experts
 
 
 def routes_tokens(model) -> bool:

@@ -211,7 +211,7 @@ def run_scan(request: ScanRequest) -> ScanReport:
     """`halfsafe scan`: the request's model loaded, its samples cut, scanned."""
     text = request.text
     loaded = loading.load_model(request.model, stream=request.engine.stream, device=request.engine.device,
-                        **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
+                                **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
     samples = make_samples(text.text_list or read_texts(None), loaded.tokenizer,
                            loaded.model.config.get_text_config().vocab_size, text.seq_len, text.max_samples)
     return scan_with(loaded.model, samples, request.options, request.progress, name=str(request.model))

@@ -27,7 +27,7 @@ class PlanOptions:
     allow_unfixable: bool = False
     candidates: int = CANDIDATES
     fp16: Fp16Options = field(default_factory=Fp16Options)
-    calib_arith: str = DEFAULT_CALIB_ARITH
+    calib_arith: str | None = DEFAULT_CALIB_ARITH  # None: the default (__post_init__ checks and fills it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "calib_arith", check_calib_arith(self.calib_arith))
@@ -41,7 +41,7 @@ class PlanOptions:
                 candidates: int = CANDIDATES, runtime: str | RuntimeProfile | None = None,
                 fp16_arith: str | None = None, calib_arith: str | None = None) -> "PlanOptions":
         return cls(MarginOptions(max_context, headroom_bits), allow_unfixable, candidates, Fp16Options.checked(runtime, fp16_arith),
-                   check_calib_arith(calib_arith))
+                   calib_arith)  # checked (None: the default) in __post_init__
 
 
 @dataclass(frozen=True)
