@@ -187,14 +187,15 @@ def test_storage_error_by_hand():
         "fp16_rel_error": 0.0, "subnormal_or_zero": 0, "overflow": 0}
 
 
-def test_storage_error_overflow_zero_and_a_sum_float32_would_lose():
-    got = storage_error(torch.tensor([70000.0, -65536.0, 65504.0, 1.0]), 2)
+def test_storage_error_overflow_zero_and_small_errors_beside_a_big_value():
+    got = storage_error(torch.tensor([70000.0, -65536.0, 65504.0, 1.0, 65519.0]), 2)
     assert got["overflow"] == 2 and got["subnormal_or_zero"] == 0 and got["fp16_rel_error"] == math.inf
     assert storage_error(torch.zeros(5)) == {"fp16_rel_error": 0.0, "subnormal_or_zero": 0, "overflow": 0}
-    # a tensor whose squares sum to under 1: 2^-3 (1 + 2^-12) stores as 2^-3
+    # a tensor whose squares sum to under 1: 2^-3 (1 + 2^-12) stores as 2^-3 (its float32 square is 2^-25 off: 3e-8)
     small = storage_error(torch.tensor([2.0**-3 * (1 + 2.0**-12)]))["fp16_rel_error"]
-    assert small == pytest.approx(2.0**-12 / (1 + 2.0**-12), rel=1e-9)
-    # 2^-12 errors next to a 2^12 value: float32 squares and sums would drop them (2^24 + 2^-24 == 2^24), float64 not
+    assert small == pytest.approx(2.0**-12 / (1 + 2.0**-12), rel=1e-7)
+    # 2^-12 errors next to a 2^12 value: one float32 sum of both would drop them (2^24 + 2^-24 == 2^24); the errors'
+    # squares are summed on their own
     x = torch.tensor([4096.0] + [1.0 + 2.0**-12] * 4)
     want = math.sqrt(4 * 2.0**-24 / (2.0**24 + 4 * (1 + 2.0**-12) ** 2))
     assert storage_error(x, 8)["fp16_rel_error"] == pytest.approx(want, rel=1e-9)

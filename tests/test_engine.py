@@ -107,6 +107,22 @@ def test_streamed_write_is_bit_identical_to_whole_model_save(pair, tmp_path):
     assert ca == cb
 
 
+def test_a_weight_past_65504_is_refused_by_either_write(tmp_path):
+    """Finite in float32, inf once written in float16: both writes refuse it, naming it, and leave no folder."""
+    whole, streamed = _pair("llama", tmp_path / "src")
+    for name, model in (("whole", whole), ("streamed", streamed)):
+        family = family_for(model.config.model_type)
+        groups = expand(family, model)
+        exps = {groups[0].name: 20}  # 2^20 x weights of about 0.02: far past 65504
+        apply_exponents_(model, family, groups, exps)
+        try:
+            with pytest.raises(HalfsafeError, match="non-finite weights in"):
+                save_fp16_checkpoint(model, None, tmp_path / name, None)
+        finally:
+            apply_exponents_(model, family, groups, {k: -v for k, v in exps.items()})
+        assert not (tmp_path / name).exists()
+
+
 def test_one_unit_resident_at_a_time(tmp_path):
     whole, streamed = _pair("llama", tmp_path)
     s = streamed_of(streamed)

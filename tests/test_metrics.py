@@ -159,13 +159,14 @@ def test_storage_error_matches_an_independent_computation():
     h = x.half().double()
     finite = torch.isfinite(h)
     expect = float(((h - d)[finite]).norm() ** 2)
-    # the three over-range entries become inf in fp16: storage_error counts them as overflow
-    assert got["overflow"] == 3
+    # 7e4 and -9e4 become inf in fp16: storage_error counts them as overflow; -65505 rounds to -65504 (inf starts
+    # at 65520, half a step past 65504)
+    assert got["overflow"] == 2 == int(torch.isinf(x.half()).sum())
     assert got["subnormal_or_zero"] == 2
     assert math.isinf(rel) == math.isinf(got["fp16_rel_error"])
     y = x.clamp(-6e4, 6e4)
     got = storage_error(y, chunk=999)
     yd = y.double()
-    assert got["fp16_rel_error"] == pytest.approx(float((yd.half().double() - yd).norm() / yd.norm()), rel=1e-9)
+    assert got["fp16_rel_error"] == pytest.approx(float((yd.half().double() - yd).norm() / yd.norm()), rel=1e-6)  # float32 sums of squares
     assert got["overflow"] == 0
     assert expect > 0

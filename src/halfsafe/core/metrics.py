@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .formats import all_finite
+
 
 def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 4) -> torch.Tensor:
     """KL(ref || other) per position, in nats, computed in float64 a few positions at a time (a 262k
@@ -19,7 +21,7 @@ def kl_per_token(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 4)
 
 
 def mean_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    if not torch.isfinite(logits).all():
+    if not all_finite(logits):
         return float("nan")
     return float(kl_per_token(ref_logits, logits).mean())
 

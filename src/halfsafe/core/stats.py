@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import FP16_MAX, FP16_MIN_NORMAL
+from .formats import FP16_MAX, FP16_MIN_NORMAL, all_finite
 from .lanes import lane
 from .sites import Hooks, Site, headroom_bits
 
@@ -37,10 +37,13 @@ class SiteStats:
     name: str  # "module.path:out" or "module.path:in"
     module_class: str
     abs_max: float = 0.0
-    percentile: float = 0.0  # PERCENTILE-th percentile of |x| (estimated on a strided subsample)
+    percentile: float = 0.0  # PERCENTILE-th percentile of |x| (each chunk's, on its sample: `summarize_chunk`)
     above_fp16_max: int = 0
-    below_fp16_min_normal: int = 0  # non-zero values fp16 stores only as subnormals (or flushes to 0)
+    # non-zero values fp16 stores only as subnormals (or flushes to 0), and non-zero values: counted in each chunk's
+    # sample (`sampled` values; every value of a chunk under 2^16), for `underflow_fraction`
+    below_fp16_min_normal: int = 0
     nonzero: int = 0
+    sampled: int = 0
     numel: int = 0
     nonfinite: int = 0
     track_columns: bool = False  # keep `column_max` too (the probe tells a fused tensor's parts apart by it)
@@ -82,6 +85,7 @@ class SiteStats:
         self.abs_max = max(self.abs_max, s.abs_max)
         self.above_fp16_max += s.above_fp16_max
         self.nonzero += s.nonzero
+        self.sampled += s.sampled
         self.below_fp16_min_normal += s.below_fp16_min_normal
         self.percentile = max(self.percentile, s.percentile)
 
@@ -117,35 +121,68 @@ class ChunkSummary:
     numel: int = 0  # finite entries
     abs_max: float = 0.0
     above_fp16_max: int = 0
-    nonzero: int = 0
-    below_fp16_min_normal: int = 0
-    percentile: float = 0.0
+    nonzero: int = 0  # in the sample (`sampled`)
+    below_fp16_min_normal: int = 0  # in the sample
+    percentile: float = 0.0  # of the sample
+    sampled: int = 0
 
 
-def summarize_chunk(x: torch.Tensor) -> ChunkSummary:
-    a = x.abs()
-    amax = float(a.max())
-    nonfinite = 0
+def summarize_chunk(x: torch.Tensor, width: int = 1) -> ChunkSummary:
+    """One pass over `x` for what every value decides (its extremes, by `aminmax`: no |x| temporary); the rest from a
+    sample of about 2^16 values (every value in a smaller chunk). `width`: the tensor's last dimension, which the
+    sample's stride must not divide (a stride of 64 through rows of 1024 would see 16 columns, the same ones each
+    row: a massive-activation channel in every sample)."""
+    if not x.numel():
+        return ChunkSummary()
+    lo, hi = torch.aminmax(x)
+    amax = max(-float(lo), float(hi))  # aminmax carries NaN and inf: the finite path below sees neither
     if not math.isfinite(amax):
-        finite = torch.isfinite(a)
-        nonfinite = int(a.numel() - finite.sum())
-        a = a[finite]
-        if a.numel() == 0:
-            return ChunkSummary(nonfinite)
-        amax = float(a.max())
+        return _summarize_nonfinite(x, width)
+    above = int(torch.count_nonzero(x.abs() > FP16_MAX)) if amax > FP16_MAX else 0
+    sample = x[::sample_stride(x.numel(), width)].abs().float()
+    return _from_sample(0, x.numel(), amax, above, sample)
+
+
+def _summarize_nonfinite(x: torch.Tensor, width: int) -> ChunkSummary:
+    finite = torch.isfinite(x)
+    a = x[finite].abs()
+    nonfinite = x.numel() - a.numel()
+    if not a.numel():
+        return ChunkSummary(nonfinite)
+    amax = float(a.max())
     above = int(torch.count_nonzero(a > FP16_MAX)) if amax > FP16_MAX else 0
-    zeros = a.numel() - int(torch.count_nonzero(a))
-    below = int(torch.count_nonzero(a < FP16_MIN_NORMAL)) - zeros
-    sample = a[:: max(1, a.numel() // _PERCENTILE_SAMPLE)].float()
+    return _from_sample(nonfinite, a.numel(), amax, above, a[::sample_stride(a.numel(), width)].float())
+
+
+def _from_sample(nonfinite: int, numel: int, amax: float, above: int, sample: torch.Tensor) -> ChunkSummary:
+    zeros = sample.numel() - int(torch.count_nonzero(sample))
+    below = int(torch.count_nonzero(sample < FP16_MIN_NORMAL)) - zeros
     k = max(1, math.ceil(sample.numel() * PERCENTILE / 100))
     # the k-th smallest is the (n - k + 1)-th largest: the same value as kthvalue(k), from a top-66 of 65536 (3x faster)
     kth = float(sample.topk(sample.numel() - k + 1).values[-1])
-    return ChunkSummary(nonfinite, a.numel(), amax, above, a.numel() - zeros, below, kth)
+    return ChunkSummary(nonfinite, numel, amax, above, sample.numel() - zeros, below, kth, sample.numel())
+
+
+def sample_stride(numel: int, width: int) -> int:
+    """1 up to 2^16 values; above, the least prime >= numel / 2^16 that does not divide `width` (so the sample walks
+    through every column of a [rows, width] tensor instead of a few)."""
+    target = numel // _PERCENTILE_SAMPLE
+    if target <= 1:
+        return 1
+    p = max(2, target)
+    while not (_is_prime(p) and width % p):
+        p += 1
+    return p
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
 
 def chunk_summaries(x: torch.Tensor) -> list[ChunkSummary]:
     """`x`'s summaries, a chunk at a time, so a [seq, vocab] logits tensor needs no full-size temporaries."""
-    return [summarize_chunk(chunk) for chunk in x.detach().flatten().split(_CHUNK)]
+    width = x.shape[-1] if x.dim() else 1
+    return [summarize_chunk(chunk, width) for chunk in x.detach().flatten().split(_CHUNK)]
 
 
 class SeenTensors:
@@ -285,7 +322,7 @@ class ActivationCollector(SiteCollector):
 
     def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
         if self.stop_at_nonfinite:
-            if lane() not in self._nonfinite and Site.parse(site).kind == "out" and not torch.isfinite(t).all():
+            if lane() not in self._nonfinite and Site.parse(site).kind == "out" and not all_finite(t):
                 self._nonfinite[lane()] = site
                 self.first_nonfinite = self._nonfinite[min(self._nonfinite, key=_lane_order)]
             return

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..families import GAIN1P, MUL
+from .formats import all_finite
 from .groups import select_parts
 
 WEIGHTS_ATTR = "_halfsafe_weights"  # where `hold` puts a model's Weights
@@ -160,6 +161,6 @@ def unrescaled(t: torch.Tensor, entries, saved: torch.Tensor | None = None) -> t
 def check_finite(model: nn.Module, names) -> None:
     """After a rewrite: every rescaled weight still finite (a plan never overflows a weight; if it did, say so)."""
     params = dict(model.named_parameters())
-    bad = [n for n in names if n in params and params[n].device.type != "meta" and not torch.isfinite(params[n]).all()]
+    bad = [n for n in names if n in params and params[n].device.type != "meta" and not all_finite(params[n])]
     if bad:
         raise FloatingPointError(f"rescaling made {', '.join(bad[:3])} non-finite (please report this)")

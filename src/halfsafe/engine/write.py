@@ -20,6 +20,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from halfsafe_serve.fingerprint import remember
 
+from ..core.formats import all_finite
 from ..errors import HalfsafeError
 from ..progress import phase
 from .choices import DEFAULT_MAX_SHARD_SIZE  # the hub's own default (engine.choices)
@@ -40,7 +41,7 @@ def save_fp16(model, folder: Path, max_shard_size: int | str = DEFAULT_MAX_SHARD
     if streamed is None:
         with phase("write", quiet=not progress):
             half = cast_copy(model, torch.float16)
-            _refuse_nonfinite([n for n, p in half.named_parameters() if not torch.isfinite(p).all()])
+            _refuse_nonfinite([n for n, p in half.named_parameters() if not all_finite(p)])
             half.save_pretrained(folder, max_shard_size=max_shard_size)
             del half
         return
@@ -127,14 +128,11 @@ def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: to
         parts = [buffers[name]]
     for t in parts:
         if t.is_floating_point():
-            if name not in bad and not all(torch.isfinite(c).all() for c in t.view(-1).split(_CHUNK)):
-                bad.append(name)
             t = t.to(dtype)  # the float32 value is freed here: one tensor (or chunk) and its fp16 copy at most
+            if name not in bad and not all_finite(t):  # as written: a value past 65504 is inf there
+                bad.append(name)
         yield t.contiguous()
     streamed._cache.clear()
-
-
-_CHUNK = 1 << 24
 
 
 def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> None:

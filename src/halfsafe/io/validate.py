@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.formats import all_finite
 from ..engine.shards import READ_BYTES, row_spans, rows_per_read
 from ..errors import HalfsafeError
 from .trust import quiet_transformers
@@ -75,7 +76,7 @@ def check_finite(shards, folder: Path) -> None:
         large = len(shape) >= 2 and math.prod(shape) * dtype.itemsize > READ_BYTES
         for a, b in row_spans(shape[0], rows_per_read(shape, dtype.itemsize)) if large else [(None, None)]:
             with safe_open(shards.path(key), "pt") as f:
-                if not _finite(f.get_slice(key)[a:b] if large else f.get_tensor(key)):
+                if not all_finite(f.get_slice(key)[a:b] if large else f.get_tensor(key)):
                     raise HalfsafeError(f"{folder} has non-finite weights in {key}: the checkpoint is corrupt; "
                                         "re-download or re-save it")
 
@@ -83,18 +84,8 @@ def check_finite(shards, folder: Path) -> None:
 def check_finite_parameters(model, source: str) -> None:
     """The same check for a model loaded whole from a file halfsafe does not read itself (GGUF)."""
     for name, p in model.named_parameters():
-        if p.is_floating_point() and not _finite(p.detach()):
+        if p.is_floating_point() and not all_finite(p.detach()):
             raise HalfsafeError(f"{source} has non-finite weights in {name}: the checkpoint is corrupt; re-download or re-save it")
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """min and max carry any NaN or inf (one pass, no temporary the size of `t`)."""
-    if not t.numel():
-        return True
-    if t.dtype.itemsize == 1:  # float8: torch has no aminmax for these
-        t = t.to(torch.float16)
-    low, high = torch.aminmax(t)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def missing_weights(model, stored) -> list[str]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..core import arith16
 from ..core.collapse import collapsed
+from ..core.formats import all_finite
 from ..core.forward import logits as forward_logits
 from ..core.metrics import mean_kl, top1_agreement
 from ..core.plan import FP16_MAX_BITS, Constraint, predicted_log2, solve
@@ -78,7 +79,7 @@ def evaluate(model, family, groups, constraints, exps, ids, ref, profile: Runtim
     """Apply the plan, run in float16 under the profile's arithmetic, compare with the float32 reference, undo."""
     with trial(model, family, groups, exps), in_dtype(model, torch.float16) as half, emulate_runtime(half, profile):
         out = forward_logits(half, ids)
-    finite = bool(torch.isfinite(out).all())
+    finite = all_finite(out)
     weights = [c.site[len("weight:"):] for c in constraints
                if c.site.startswith("weight:") and predicted_log2(c, exps) > FP16_MAX_BITS]
     eps = None if base_eps is None else base_eps * 2.0 ** eps_exponent(groups, exps)  # the first norm's, as stored
