@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import HalfsafeError
 from ..model_folder import inside
+from .pool import Pool
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -82,6 +83,7 @@ class Shards:
         self._open: dict[str, object] = {}
         self._stack: ExitStack | None = None
         self.bytes_read = 0  # bytes of stored tensors read so far, as stored (engine.reads turns them into passes)
+        self.pool: Pool | None = None  # where `load` takes its tensors from first (a streamed model's: engine.pool)
 
     def stored_bytes(self, key: str) -> int:
         return math.prod(self.shape(key)) * self.dtype(key).itemsize
@@ -121,8 +123,10 @@ class Shards:
         name = self.file_of[key]
         shape = self.shape(key)
         stored = self.dtype(key)
+        want = dtype if dtype is not None and stored.is_floating_point else stored
+        out = self.pool.take(shape, want) if self.pool is not None and want.is_floating_point else None
         if len(shape) >= 2 and math.prod(shape) * stored.itemsize > READ_BYTES:
-            out = torch.empty(shape, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
+            out = torch.empty(shape, dtype=want) if out is None else out
             for a, b in row_spans(shape[0], rows_per_read(shape, stored.itemsize)):
                 self._rows_into(key, a, b, out[a:b])
             return out
@@ -131,9 +135,9 @@ class Shards:
             f = self._open.get(name)
             if f is None:
                 f = self._open[name] = self._stack.enter_context(safe_open(self._paths[name], "pt"))
-            return _owned(f.get_tensor(key), dtype)
+            return _owned(f.get_tensor(key), dtype, out)
         with safe_open(self._paths[name], "pt") as f:
-            return _owned(f.get_tensor(key), dtype)
+            return _owned(f.get_tensor(key), dtype, out)
 
     def load_rows(self, key: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows [start, stop) of the stored tensor, as `load` gives the whole. The file is opened for this read
@@ -179,7 +183,10 @@ def rows_per_read(shape, itemsize: int) -> int:
     return max(1, READ_BYTES // (math.prod(shape[1:]) * itemsize))
 
 
-def _owned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _owned(t: torch.Tensor, dtype: torch.dtype | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of the mapped `t` in `dtype` (floating tensors), into `out` where given (`copy_` rounds as `to` does)."""
+    if out is not None:
+        return out.copy_(t)
     if dtype is None or not t.is_floating_point() or t.dtype == dtype:
         return t.clone()
     return t.to(dtype)

@@ -31,6 +31,7 @@ from ..core.sites import Hooks, find_blocks
 from ..core.weights import WEIGHTS_ATTR, hold, rescaled
 from ..errors import HalfsafeError
 from .islands import KEEP_FP32_BUFFERS, strict_fp32_pattern
+from .pool import Pool
 from .shards import Shards, row_spans, rows_per_read
 from .wide import WideWeight
 
@@ -65,6 +66,10 @@ class Streamed:
     _depth: int = 0
     _loaded: set = field(default_factory=set)  # units whose weights are in their modules now
     _gate: object = None  # an in_step pass's (engine.pipeline.Gate) while one runs
+
+    def __post_init__(self) -> None:
+        if self.shards.pool is None:  # each block's reads reuse what the block before let go (engine.pool)
+            self.shards.pool = Pool()
 
     # ----- what a unit sees
     def tensor(self, name: str) -> torch.Tensor:
@@ -165,13 +170,24 @@ class Streamed:
             if size <= self.cache_bytes:
                 break
             if name not in keep:
-                size -= _held_bytes(self._cache.pop(name))
+                t = self._cache.pop(name)
+                size -= _held_bytes(t)
+                self._let_go(t)
+
+    def _let_go(self, t) -> None:
+        if not isinstance(t, WideWeight) and self.shards.pool is not None:
+            self.shards.pool.give(t)
+
+    def clear_cache(self) -> None:
+        """Drop every loaded tensor (what nothing else holds goes back to the pool)."""
+        while self._cache:
+            self._let_go(self._cache.popitem()[1])
 
     # ----- changing what loads compute
     def set_rescale(self, table: dict[str, list]) -> None:
         self._require_idle()
         self.rescale = {k: list(v) for k, v in table.items() if v}
-        self._cache.clear()
+        self.clear_cache()
 
     # ----- the Weights core reads and changes (core.weights)
     def values(self) -> "_Weights":
@@ -215,7 +231,7 @@ class Streamed:
                 module._buffers[attr] = b.to(dtype)
         self.dtype = dtype
         self.model.config.dtype = dtype
-        self._cache.clear()
+        self.clear_cache()
         return saved
 
     def restore_dtype(self, saved: dict) -> None:
@@ -226,7 +242,7 @@ class Streamed:
             module._buffers[attr] = b
         self.dtype = saved["dtype"]
         self.model.config.dtype = saved["config"]
-        self._cache.clear()
+        self.clear_cache()
 
     def _enter_model(self) -> None:
         self._depth += 1

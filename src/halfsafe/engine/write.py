@@ -98,7 +98,7 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     bad: list[str] = []
     saved = streamed.dtype, streamed.device
     streamed.dtype, streamed.device = torch.float32, torch.device("cpu")  # rescale in float32, then cast: as .half() would
-    streamed._cache.clear()
+    streamed.clear_cache()
     try:
         with phase("write", total=len(layout), unit="tensors", quiet=not progress) as bar:
             for filename, names in split.filename_to_tensors.items():
@@ -106,7 +106,7 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
                             bar.advance)
     finally:
         streamed.dtype, streamed.device = saved
-        streamed._cache.clear()
+        streamed.clear_cache()
     if split.is_sharded:
         index = {"metadata": {"total_parameters": streamed.model.num_parameters(), **split.metadata},
                  "weight_map": split.tensor_to_filename}
@@ -132,7 +132,7 @@ def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: to
             if name not in bad and not all_finite(t):  # as written: a value past 65504 is inf there
                 bad.append(name)
         yield t.contiguous()
-    streamed._cache.clear()
+    streamed.clear_cache()
 
 
 def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> None:
