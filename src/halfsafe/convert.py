@@ -266,8 +266,17 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
     groups = expand(family, model)
     reads = Reads()
     calib = None if scan_report is not None else calibration_arith(options, model)
+    eval_ids = _eval_ids(samples)
+    logits_fp32: dict[str, torch.Tensor] = {}
+
+    def reference_logits() -> None:  # the model as it is, in float32: what every candidate is compared with
+        logits_fp32["reference"] = forward_logits(model, eval_ids).float()
+
+    # beside the scan's samples, in the same pass, where the scan computes in float32 with no runtime collector
+    beside = [reference_logits] if calib is not None and calib["used"] == FLOAT32 and profile.is_torch else []
     with reads.phase(model, "scan"):
-        report = scan_report or scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=calib["used"]), progress)
+        report = scan_report or scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=calib["used"]),
+                                          progress, beside=beside)
     return_freed_memory()  # what the scan's forward passes freed, before the candidates' run
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), options.margin.max_context,
                            options.margin.headroom_bits)
@@ -284,11 +293,13 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
         calib["float32_again"] = (f"a peak sat within {PEAK_RTOL:g} of a limit the plan is chosen at: calibrated again "
                                   "in float32")
         with reads.phase(model, "scan"):
-            report = scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=FLOAT32), progress)
+            report = scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=FLOAT32), progress,
+                               beside=[reference_logits] if profile.is_torch else [])
         constraints = site_constraints(report.sites, governed) + weights
-    eval_ids = _eval_ids(samples)
-    with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):
-        ref = forward_logits(model, eval_ids).float()
+    if "reference" not in logits_fp32:
+        with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):
+            reference_logits()
+    ref = logits_fp32["reference"]
     reference = solve(groups, constraints, headroom_bits)
     tried, runtime_info = [], None
     with reads.phase(model, "candidates"):

@@ -6,6 +6,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -94,14 +95,18 @@ class ScanReport:
 
 @torch.no_grad()
 def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool = True, label: str = "scan",
-            also=nullcontext()) -> dict[str, SiteStats]:
+            also=nullcontext(), beside: Sequence[Callable[[], object]] = ()) -> dict[str, SiteStats]:
     """Activation statistics of `model` over `samples`, merged across samples (`also`: another collector, entered
     for the same passes). The samples run in step (engine.pipeline): a streamed model's units are read once for all;
-    not under `also` (a runtime profile's collector measures the first calls of each linear: the order counts)."""
+    not under `also` (a runtime profile's collector measures the first calls of each linear: the order counts).
+    `beside`: more forwards (zero-argument callables, keeping their own results) run in the same pass, after the
+    samples, their activations not recorded: convert's float32 reference logits cost no read of their own."""
     together = isinstance(also, nullcontext)
-    with ActivationCollector(model) as collector, also, phase(label, model, passes=len(samples), quiet=not progress,
-                                                             pass_name=None if together else "sample"):
-        runs = [partial(run_for_stats, model, ids) for ids in samples]
+    if beside and not together:
+        raise ValueError("forwards beside the samples run in step, which a runtime profile's collector does not allow")
+    with ActivationCollector(model) as collector, also, phase(label, model, passes=len(samples) + len(beside),
+                                                             quiet=not progress, pass_name=None if together else "sample"):
+        runs = [partial(run_for_stats, model, ids) for ids in samples] + [collector.unrecorded_run(r) for r in beside]
         if together:
             in_step(model, runs)
         else:
@@ -183,13 +188,13 @@ def scan(model: PreTrainedModel, samples: list[torch.Tensor], fp16_check: bool =
 
 
 def scan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: ScanOptions, progress: bool = True,
-              name: str = "") -> ScanReport:
-    """`scan` for options already checked."""
+              name: str = "", beside: Sequence[Callable[[], object]] = ()) -> ScanReport:
+    """`scan` for options already checked; `beside`: forwards run in the same pass, unrecorded (`collect`)."""
     profile = options.runtime
     extra = RuntimeCollector(model, profile) if not profile.is_torch else None
     used = resolve_calib(options.calib_arith, model)["used"]
     with calib_arith(used):  # the matrix products' arithmetic (float32, or bfloat16 operands where chosen)
-        sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext())
+        sites = collect(model, samples, progress, also=extra if extra is not None else nullcontext(), beside=beside)
     report = ScanReport(
         model=name or getattr(model.config, "_name_or_path", "") or type(model).__name__,
         model_type=model.config.model_type,

@@ -295,6 +295,7 @@ class ActivationCollector(SiteCollector):
     _order: dict = field(default_factory=dict)  # per forward, its sites in the order it first recorded them
     _nonfinite: dict = field(default_factory=dict)  # per forward, its first non-finite site
     _seen: SeenTensors = field(default_factory=SeenTensors)  # one tensor at several sites is summarised once
+    unrecorded: set = field(default_factory=set)  # forwards (lanes) whose activations are not recorded: `unrecorded()`
 
     @property
     def _running(self) -> list:
@@ -320,7 +321,21 @@ class ActivationCollector(SiteCollector):
             order = dict.fromkeys(s for k in sorted(self._order, key=_lane_order) for s in self._order[k])
             self.sites = {s: self.sites[s] for s in order}
 
+    def unrecorded_run(self, run):
+        """`run` (a zero-argument forward) wrapped so that what it computes is not recorded, whether it runs alone or in
+        step with the recorded forwards (its lane is set aside while it runs)."""
+        def wrapped():
+            here = lane()
+            self.unrecorded.add(here)
+            try:
+                return run()
+            finally:
+                self.unrecorded.discard(here)
+        return wrapped
+
     def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        if lane() in self.unrecorded:
+            return
         if self.stop_at_nonfinite:
             if lane() not in self._nonfinite and Site.parse(site).kind == "out" and not all_finite(t):
                 self._nonfinite[lane()] = site
@@ -361,7 +376,7 @@ class ActivationCollector(SiteCollector):
             if not measured or output is None:
                 return
             self._take(str(site.at_call(call)), module, output)
-            if experts and not self.stop_at_nonfinite:
+            if experts and not self.stop_at_nonfinite and lane() not in self.unrecorded:
                 for e, parts in expert_products(mod, args, kwargs):
                     for part, t in parts.items():
                         self._take(str(Site.of_expert(name, e, part).at_call(call)), module, t)
