@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from halfsafe.convert import storage_error
+from halfsafe.core import stats
 from halfsafe.core.formats import FP16_MAX, FP16_MIN_NORMAL
 from halfsafe.core.metrics import kl_per_token, mean_kl, top1_agreement
 from halfsafe.core.stats import PERCENTILE, SiteStats
@@ -119,7 +120,8 @@ def _known_tensor() -> torch.Tensor:
     return x.float()
 
 
-def test_site_stats_match_numpy():
+def test_site_stats_match_numpy(monkeypatch):
+    monkeypatch.setattr(stats, "_PERCENTILE_SAMPLE", 1 << 16)  # 40000 values: every one is in the sample
     x = _known_tensor()
     a = np.abs(x.numpy().astype(np.float64))
     s = SiteStats("m:out", "Linear")
@@ -130,7 +132,7 @@ def test_site_stats_match_numpy():
     assert s.nonzero == int(nonzero.sum()) and s.numel == x.numel()
     assert s.below_fp16_min_normal == int((nonzero & (a < FP16_MIN_NORMAL)).sum()) == 2
     assert s.underflow_fraction == pytest.approx(2 / nonzero.sum())
-    # under 2**16 elements the percentile is computed on every element: the nearest-rank value, rank
+    # with every element in the sample the percentile is the nearest-rank value, rank
     # ceil(n * 99.9 / 100) in exact integer arithmetic (numpy's float rank lands one element higher here)
     assert PERCENTILE == 99.9
     rank = -(-a.size * 999 // 1000)
