@@ -101,6 +101,28 @@ def test_emulation_replaces_only_float16_matrix_products():
     assert torch.equal(y, (x.float() @ w.float().t()).half())
 
 
+@pytest.mark.parametrize("key", ["llama", "gemma3_text", "gpt2", "gpt_oss", "t5"])  # Linear, Conv1D (x @ W), experts
+def test_operands_widened_into_the_kept_buffer_give_the_same_bits(key, monkeypatch):
+    """Every operand through the mode's one float32 buffer (the threshold at 0): the logits bit for bit those of a
+    fresh float32 copy per operand, the second operand of a product never in the borrowed buffer."""
+    model, runs = make_tiny(key), {}
+    ids = tiny_ids(model, 24)
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(fp16_arith, "WIDEN_INTO_BUFFER", threshold)
+        with in_dtype(model, torch.float16, fp16_arith.EMULATED) as half, fp16_arith.fp16_arith(fp16_arith.EMULATED) as mode:
+            runs[threshold] = logits(half, ids), mode.reused
+    (buffered, reused), (fresh, none) = runs[0], runs[1 << 62]
+    assert reused > 0 and none == 0
+    assert torch.equal(buffered, fresh)
+    monkeypatch.setattr(fp16_arith, "WIDEN_INTO_BUFFER", 0)
+    x, w = torch.randn(4, 64).half(), torch.randn(32, 64).half()
+    with fp16_arith.fp16_arith(fp16_arith.EMULATED) as mode:
+        y = x @ w.t()  # both operands large enough: the first borrows the buffer, the second is copied
+        z = w[:, ::2] @ x[:, ::2].t()  # not dense: copied
+    assert mode.reused == 1 and torch.equal(y, (x.float() @ w.float().t()).half())
+    assert torch.equal(z, (w.float()[:, ::2] @ x.float()[:, ::2].t()).half())
+
+
 def _emulated_products(run) -> tuple:
     """run()'s result and how many float16 matrix products it ran from float32 kernels."""
     before = sum(fp16_arith.calls.values())
