@@ -113,7 +113,10 @@ class Streamed:
         # activation-bytes counter) must not count them, even when a wide weight is read during the forward
         with _disable_current_modes():
             t = rescaled(read(torch.float32 if entries or dtype == torch.float32 else dtype), entries)
-            return t.to(self.device, dtype)
+            out = t.to(self.device, dtype)
+            if out is not t:
+                self._let_go(t)  # the float32 read, cast: the next read of its size reuses it
+            return out
 
     def _is_wide(self, name: str) -> bool:
         """A matrix bigger than `wide_bytes` (and than what the cache may hold) is read a slice at a time, when its
