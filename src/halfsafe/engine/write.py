@@ -97,7 +97,9 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     buffers = dict(streamed.model.named_buffers())
     bad: list[str] = []
     saved = streamed.dtype, streamed.device
-    streamed.dtype, streamed.device = torch.float32, torch.device("cpu")  # rescale in float32, then cast: as .half() would
+    # a rescaled tensor is read in float32, rescaled and cast, as .half() of the rescaled model would; the others are
+    # read straight into `dtype` (bfloat16 -> float16 in one rounding, the same bits, without a float32 copy)
+    streamed.dtype, streamed.device = dtype, torch.device("cpu")
     streamed.clear_cache()
     try:
         with phase("write", total=len(layout), unit="tensors", quiet=not progress) as bar:
