@@ -121,6 +121,27 @@ def test_bfloat16_products_round_only_float32_cpu_matrix_products():
         assert torch.equal(torch.nn.functional.linear(x, w, b), (x.bfloat16() @ w.bfloat16().t()).float() + b)
 
 
+def test_a_weights_rounding_lives_as_long_as_the_weight(tmp_path):
+    """The cache holds its sources weakly: a weight freed (a streamed block done) takes its entry with it, and a
+    streamed pass under bfloat16 products keeps no float32 block alive (the pool gets them back)."""
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    with calib_arith.calib_arith(calib_arith.BFLOAT16) as mode:
+        torch.nn.functional.linear(x, w)
+        assert len(mode._cache) == 1 and mode._held == 32 * 64 * 2
+        del w
+        assert len(mode._cache) == 0 and mode._held == 0
+    save_tiny("llama", tmp_path)
+    from halfsafe.engine.streamed import streamed_of
+    from halfsafe.io.loading import load_model
+
+    model = load_model(tmp_path, stream=True).model
+    ids = [tiny_ids(model, 12, seed=i) for i in range(3)]
+    with calib_arith.calib_arith(calib_arith.BFLOAT16) as mode:
+        collect(model, ids, progress=False)
+        assert mode.calls > 0 and mode._held == 0, "every block's weights freed, and their roundings with them"
+    assert streamed_of(model).shards.pool.reused > 0
+
+
 @pytest.mark.parametrize("asked", ["auto", "bfloat16"])
 def test_halfsafe_json_records_the_calibration_arithmetic(tmp_path, asked, monkeypatch):
     monkeypatch.setattr(calib_arith, "bfloat16_products_speedup", lambda: 0.25)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 
@@ -63,26 +64,34 @@ class Bf16MatrixKernels(TorchDispatchMode):
         super().__init__()
         self.calls = 0
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # key -> (source, bf16)
+        self._cache: OrderedDict[tuple, tuple[weakref.ref, torch.Tensor]] = OrderedDict()  # key -> (source, bf16)
         self._held = 0
 
     def _weight(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` in bfloat16, from the cache when `t` (its storage, place, shape and version) was rounded before. The
-        cache holds `t` itself, so its storage is not reused by another tensor while the entry lives."""
+        """`t` in bfloat16, from the cache when `t` (its storage, place, shape and version) was rounded before. An
+        entry lives as long as the tensor `t` views (a layer's weight, for `W.t()`), no longer: the cache holds it
+        weakly, so a streamed block's float32 weights are freed when the block is done (and its memory, reused by
+        another tensor, can never be taken for the old one's)."""
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
         hit = self._cache.get(key)
-        if hit is not None:
+        if hit is not None and hit[0]() is not None:
             self._cache.move_to_end(key)
             return hit[1]
+        self._drop(key)
         b = t.to(torch.bfloat16)
         size = b.numel() * b.element_size()
         if size <= self.cache_bytes:
             while self._cache and self._held + size > self.cache_bytes:
-                _, (_, old) = self._cache.popitem(last=False)
-                self._held -= old.numel() * old.element_size()
-            self._cache[key] = (t, b)
+                self._drop(next(iter(self._cache)))
+            source = t._base if t._base is not None else t
+            self._cache[key] = (weakref.ref(source, lambda _, key=key: self._drop(key)), b)
             self._held += size
         return b
+
+    def _drop(self, key: tuple) -> None:
+        entry = self._cache.pop(key, None)
+        if entry is not None:
+            self._held -= entry[1].numel() * entry[1].element_size()
 
     def clear(self) -> None:
         self._cache.clear()
