@@ -29,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from make_synthetic import QWEN_SIZES, SIZES, config_for, write_checkpoint  # noqa: E402
+from run_benchmarks import git_commit  # noqa: E402
 from scale_7b import checkpoint_params, default_checkpoint, gemm_speeds, gemm_text, machine  # noqa: E402
 
 GOAL_RATIO = 1.3
@@ -111,16 +112,8 @@ def run(args: argparse.Namespace) -> dict:
         "forward": {**forward, "process_cpu_s": fwd["cpu_s"], "process_wall_s": fwd["wall_s"]},
         "convert_over_forward": ratio, "convert_cpu_s_per_billion": convert["cpu_s"] / params * 1e9,
         "forward_cpu_s_per_billion": forward["forward_cpu_s"] / params * 1e9,
-        "commit": _commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-    except OSError:
-        return "?"
 
 
 def markdown(r: dict) -> str:

@@ -192,8 +192,9 @@ def storage_error(t, chunk: int = 1 << 22) -> dict:
     """How far the fp16 copy of `t` (a tensor, or its blocks of rows) is from `t`: relative L2 error, non-zero entries
     whose copy is subnormal or zero, and finite entries whose copy is inf. In chunks, one float32 buffer reused: a
     168M-entry embedding needs no full-size temporaries. x - fp16(x) is exact in float32; the sums of squares are
-    torch's float32 sums (cascaded: ~1e-7 relative; `vector_norm` is 1e-4 off here). The counts look at the copy's exponent bits, and only where a chunk's least
-    exponent (or its peak) says there is something to count: about 10 ns an entry less than comparing |x|."""
+    torch's float32 sums (cascaded: ~1e-7 relative; `vector_norm` is 1e-4 off here). The counts look at the copy's
+    exponent bits, and only where a chunk's least exponent (or its peak) says there is something to count: about
+    10 ns an entry less than comparing |x|."""
     err2 = ref2 = 0.0
     subnormal = overflow = 0
     blocks = [t] if isinstance(t, torch.Tensor) else t

@@ -171,7 +171,7 @@ def sample_stride(numel: int, width: int) -> int:
     target = numel // _PERCENTILE_SAMPLE
     if target <= 1:
         return 1
-    p = max(2, target)
+    p = target
     while not (_is_prime(p) and width % p):
         p += 1
     return p
@@ -297,7 +297,7 @@ class ActivationCollector(SiteCollector):
     _order: dict = field(default_factory=dict)  # per forward, its sites in the order it first recorded them
     _nonfinite: dict = field(default_factory=dict)  # per forward, its first non-finite site
     _seen: SeenTensors = field(default_factory=SeenTensors)  # one tensor at several sites is summarised once
-    unrecorded: set = field(default_factory=set)  # forwards (lanes) whose activations are not recorded: `unrecorded()`
+    unrecorded: set = field(default_factory=set)  # forwards (lanes) whose activations are not recorded: `unrecorded_run`
 
     @property
     def _running(self) -> list:

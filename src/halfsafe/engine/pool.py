@@ -14,6 +14,7 @@ is what it held without the pool.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -42,10 +43,7 @@ class Pool:
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """A kept tensor of `shape` and `dtype` (its old values in it), or None, having emptied the pool (below)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        free = self._free.get((numel, dtype))
+        free = self._free.get((math.prod(shape), dtype))
         if not free:
             self.clear()  # what is kept fits nothing asked for now: give the memory back before the caller allocates
             return None

@@ -130,7 +130,7 @@ def _value(streamed: Streamed, params: dict, buffers: dict, name: str, dtype: to
         parts = [buffers[name]]
     for t in parts:
         if t.is_floating_point():
-            t = t.to(dtype)  # the float32 value is freed here: one tensor (or chunk) and its fp16 copy at most
+            t = t.to(dtype)  # a rescaled float32 value (or a buffer) is cast and freed here: it and its copy at most
             if name not in bad and not all_finite(t):  # as written: a value past 65504 is inf there
                 bad.append(name)
         yield t.contiguous()
