@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from make_synthetic import QWEN_SIZES, SIZES, config_for, write_checkpoint  # noqa: E402
+from make_synthetic import QWEN_SIZES, SIZES, write_checkpoint  # noqa: E402
 from run_benchmarks import git_commit  # noqa: E402
 from scale_7b import checkpoint_params, default_checkpoint, gemm_speeds, gemm_text, machine  # noqa: E402
 
@@ -86,7 +86,7 @@ def timed(argv: list[str], env: dict) -> dict:
 def run(args: argparse.Namespace) -> dict:
     syn = Path(args.checkpoint) if args.checkpoint else default_checkpoint(args.size)
     if not (syn / "config.json").exists():
-        write_checkpoint(config_for(args.size), syn)
+        write_checkpoint(syn, args.size, "5GB" if args.size in QWEN_SIZES else "1GB")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out, report = work / f"{syn.name}-fp16", work / f"{syn.name}.convert.json"

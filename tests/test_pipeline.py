@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 
+import halfsafe.core.forward as forward
 import halfsafe.engine.wide as wide
 from halfsafe.core.forward import logits
 from halfsafe.engine.pipeline import apart, in_step
@@ -85,6 +86,7 @@ def test_wide_weights_are_read_a_slice_at_a_time_by_each_sample(key, tmp_path, m
     """Every matrix wide: each sample reads a wide weight's slices itself, as alone (samples wait only between blocks,
     holding their hidden states, never inside a product holding its output), and the rest once for all; the samples
     have different lengths (the head runs on a different number of chunks, forward.HEAD_CHUNK)."""
+    monkeypatch.setattr(forward, "HEAD_CHUNK_BYTES", 1)  # HEAD_CHUNK positions per head call
     monkeypatch.setattr(wide, "MIN_CHUNK_ROWS", 32)
     monkeypatch.setattr(wide, "CHUNK_BYTES", 1)
     model = _streamed(key, tmp_path)

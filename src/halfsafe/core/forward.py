@@ -17,7 +17,16 @@ from transformers import PreTrainedModel
 
 from .weights import compute_device, weights_of
 
-HEAD_CHUNK = 64  # positions per lm_head call when the head is run apart from the body
+# positions per lm_head call when the head is run apart from the body: as many as keep one call's float32 logits
+# within HEAD_CHUNK_BYTES, at least HEAD_CHUNK. Fewer calls matter where the head is read a slice at a time
+# (engine.wide): every call reads the whole head again (a 32000-token vocabulary: 512 positions in one call).
+HEAD_CHUNK = 64
+HEAD_CHUNK_BYTES = 64 << 20
+
+
+def head_chunk(vocab: int) -> int:
+    """Positions per lm_head call for a head of `vocab` outputs (float32 logits)."""
+    return max(HEAD_CHUNK, HEAD_CHUNK_BYTES // (4 * max(vocab, 1)))
 
 
 def is_encoder_decoder(model: PreTrainedModel) -> bool:
@@ -117,5 +126,5 @@ def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
         return
     with weights_of(model).held():  # a streamed model's head loads once, not once per chunk
         hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state
-        for chunk in hidden.split(HEAD_CHUNK, dim=1):
+        for chunk in hidden.split(head_chunk(head.out_features if hasattr(head, "out_features") else 0), dim=1):
             head(chunk)

@@ -117,10 +117,12 @@ def _linear(x: torch.Tensor, weight: WideWeight, bias: torch.Tensor | None) -> t
     """`F.linear(x, weight, bias)`, a chunk of output features at a time, each written into its place in one output."""
     out = None
     n = weight.shape[0]
+    lead = x.shape[:-1]
+    x = x.reshape(-1, x.shape[-1])  # 2-d: a 3-d input whose batch stride matmul cannot fold would copy each slice
     for start, stop in row_spans(n, weight.chunk_rows()):
         part = F.linear(x, weight.rows(start, stop), None if bias is None else _whole(bias)[start:stop])
         if out is None:
             out = torch.empty((*part.shape[:-1], n), dtype=part.dtype, device=part.device)
         out[..., start:stop] = part
         del part
-    return out
+    return out.view(*lead, n)
