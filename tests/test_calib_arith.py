@@ -148,8 +148,10 @@ def test_halfsafe_json_records_the_calibration_arithmetic(tmp_path, asked, monke
     folder = save_tiny("llama", tmp_path / "llama")
     out = tmp_path / "out"
     assert main(["convert", str(folder), str(out), "--calib-arith", asked, "--max-samples", "1", "--seq-len", "32"]) == 0
-    recorded = json.loads((out / "halfsafe.json").read_text())["calib_arith"]
+    record = json.loads((out / "halfsafe.json").read_text())
+    recorded = record["calib_arith"]
     assert recorded["asked"] == asked and recorded["used"] == ("float32" if asked == "auto" else "bfloat16") and recorded["why"]
+    assert "reference" not in record["checkpoint_reads"], "the float32 reference ran beside the calibration, in its read"
 
 
 def test_an_unknown_calibration_arithmetic_is_a_one_line_error(tmp_path, capsys):

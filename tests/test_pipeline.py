@@ -81,6 +81,31 @@ def test_a_forward_beside_the_scan_shares_its_read_and_is_not_recorded(key, tmp_
         assert _stats(collect(model, samples, progress=False, beside=[lambda: logits(model, ids)])) == _stats(sites)
 
 
+def test_a_float32_forward_beside_a_bfloat16_calibration_computes_in_float32(tmp_path):
+    """convert's reference beside a bfloat16 calibration (engine.calib_arith.float32_products): its logits a float32
+    forward's alone, bit for bit, the calibration's statistics as without it, in one read; without the exemption the
+    same lane would multiply in bfloat16 (other logits)."""
+    from halfsafe.engine.calib_arith import _exempt, calib_arith, float32_products
+
+    model = _streamed("llama", tmp_path)
+    samples = _samples(model)
+    ids = samples[0][:, :8]
+    alone = logits(model, ids)
+    got = {}
+
+    def reference():
+        with float32_products():
+            got["logits"] = logits(model, ids)
+
+    with calib_arith("bfloat16") as mode:
+        sites, reads = _passes(model, lambda: collect(model, samples, progress=False, beside=[reference]))
+        assert _stats(sites) == _stats(collect(model, samples, progress=False))
+        rounded = logits(model, ids)
+    assert mode.calls > 0 and not _exempt
+    assert torch.equal(got["logits"], alone) and not torch.equal(rounded, alone)
+    assert reads == 1.0
+
+
 @pytest.mark.parametrize("key", ["llama", "gemma3", "t5"])  # decoder, image-text (a vision tower), encoder-decoder
 def test_wide_weights_are_read_a_slice_at_a_time_by_each_sample(key, tmp_path, monkeypatch):
     """Every matrix wide: each sample reads a wide weight's slices itself, as alone (samples wait only between blocks,

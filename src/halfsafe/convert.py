@@ -34,7 +34,7 @@ from .core.shrink import EXPERT_FIELDS, TOP_K_FIELDS, probe_governed
 from .core.sites import Site
 from .core.stats import is_fused_experts
 from .core.weights import value_blocks, weights_of
-from .engine.calib_arith import BFLOAT16, FLOAT32, PEAK_RTOL
+from .engine.calib_arith import BFLOAT16, FLOAT32, PEAK_RTOL, float32_products
 from .engine.calib_arith import resolve as resolve_calib
 from .engine.device import return_freed_memory
 from .engine.fp16_arith import resolve as resolve_arith
@@ -271,10 +271,11 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
     logits_fp32: dict[str, torch.Tensor] = {}
 
     def reference_logits() -> None:  # the model as it is, in float32: what every candidate is compared with
-        logits_fp32["reference"] = forward_logits(model, eval_ids).float()
+        with float32_products():  # beside a bfloat16 calibration too: its products stay float32
+            logits_fp32["reference"] = forward_logits(model, eval_ids).float()
 
-    # beside the scan's samples, in the same pass, where the scan computes in float32 with no runtime collector
-    beside = [reference_logits] if calib is not None and calib["used"] == FLOAT32 and profile.is_torch else []
+    # beside the scan's samples, in the same pass, where convert calibrates with no runtime collector
+    beside = [reference_logits] if calib is not None and profile.is_torch else []
     with reads.phase(model, "scan"):
         report = scan_report or scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=calib["used"]),
                                           progress, beside=beside)
@@ -295,7 +296,7 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
                                   "in float32")
         with reads.phase(model, "scan"):
             report = scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=FLOAT32), progress,
-                               beside=[reference_logits] if profile.is_torch else [])
+                               beside=[reference_logits] if profile.is_torch and "reference" not in logits_fp32 else [])
         constraints = site_constraints(report.sites, governed) + weights
     if "reference" not in logits_fp32:
         with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 
 import torch
+from greenlet import getcurrent
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -43,6 +44,10 @@ PEAK_RTOL = 2.0 ** -5  # a peak from bfloat16 products is within this relative d
 # chunks share (32000 x 2048: 131 MB). Each entry also keeps its float32 source alive until it is evicted (a block
 # after the pass has left it): at most this in bfloat16 plus twice as much in float32, only where bfloat16 is chosen.
 CACHE_BYTES = 128 << 20
+
+# runs (greenlets: engine.pipeline runs each forward of a pass as one) whose products stay float32 under the mode:
+# convert's float32 reference logits, computed beside a bfloat16 calibration in the same read (`float32_products`)
+_exempt: set = set()
 
 aten = torch.ops.aten
 PRODUCTS = {getattr(aten, op).default: op for op in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm") if hasattr(aten, op)}
@@ -100,7 +105,7 @@ class Bf16MatrixKernels(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         op = PRODUCTS.get(func)
-        if op is None or not _float32_cpu(args, kwargs):
+        if op is None or not _float32_cpu(args, kwargs) or (_exempt and getcurrent() in _exempt):
             return func(*args, **kwargs)
         self.calls += 1
         if op in ("mm", "bmm"):
@@ -157,3 +162,18 @@ def calib_arith(used: str):
         finally:
             if mode is not None:
                 mode.clear()
+
+
+@contextmanager
+def float32_products():
+    """Within, this run's (greenlet's) products compute in float32 under any `Bf16MatrixKernels`: a forward run beside
+    a bfloat16 calibration (engine.pipeline) computes exactly what it computes alone in float32."""
+    me = getcurrent()
+    if me in _exempt:
+        yield
+        return
+    _exempt.add(me)
+    try:
+        yield
+    finally:
+        _exempt.discard(me)
