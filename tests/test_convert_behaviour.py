@@ -69,15 +69,31 @@ def _stress(key: str, calib):
 
 @pytest.fixture(scope="module")
 def converted_by_cli(tmp_path_factory):
-    """A stressed tiny Llama saved as a checkpoint, converted by the CLI with --headroom-bits 3."""
+    """A stressed tiny Llama saved as a checkpoint, converted by the CLI with --headroom-bits 3, calibrated in float32:
+    its numbers are compared with float32 measurements to 1e-6 (on a CPU with AVX512-BF16 `auto` calibrates in
+    bfloat16, whose peaks are recorded within calib_arith.PEAK_RTOL: the test below)."""
     root = tmp_path_factory.mktemp("cli")
     calib = make_samples([default_text()], None, 256, SEQ, SAMPLES)
     model = _stress("llama", calib)
     model.save_pretrained(root / "src")
     assert main(["convert", str(root / "src"), str(root / "out"), "--headroom-bits", "3", "--seq-len", str(SEQ),
-                 "--max-samples", str(SAMPLES)]) == 0
+                 "--max-samples", str(SAMPLES), "--calib-arith", "float32"]) == 0
     info = json.loads((root / "out" / "halfsafe.json").read_text())
     return model, root / "out", info, calib
+
+
+def test_a_bfloat16_calibration_records_peaks_within_its_tolerance_and_the_same_plan(converted_by_cli):
+    from halfsafe.engine.calib_arith import PEAK_RTOL
+
+    original, out, info, calib = converted_by_cli
+    rounded = out.parent / "bf16"
+    assert main(["convert", str(out.parent / "src"), str(rounded), "--headroom-bits", "3", "--seq-len", str(SEQ),
+                 "--max-samples", str(SAMPLES), "--calib-arith", "bfloat16"]) == 0
+    got = json.loads((rounded / "halfsafe.json").read_text())
+    assert got["calib_arith"]["used"] == "bfloat16" and got["plan"] == info["plan"]
+    assert got["peak_before"] == pytest.approx(info["peak_before"], rel=PEAK_RTOL)
+    assert list(got["peaks_before"].values()) == pytest.approx(list(info["peaks_before"].values()), rel=PEAK_RTOL)
+    assert (rounded / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
 
 
 @torch.no_grad()
