@@ -11,7 +11,7 @@ spin while they wait for a core, which inflates CPU-seconds):
      run in step under the same arithmetic with no hooks (`core.forward.run_for_stats`, as the scan runs it): CPU-s of
      the forward only (`time.process_time`, every thread), and of the whole process.
 Beside them the CPU's matrix product speed per dtype (bench/scale_7b.py's `gemm_speeds`) and its flags, so figures
-from different CPUs read side by side. Writes bench/results/convert_cost-SIZE.{json,md} (--results DIR elsewhere).
+from different CPUs read side by side. Writes bench/results/convert_cost-SIZE[-bfloat16].{json,md} (`result_stem`; --results DIR elsewhere).
 """
 
 from __future__ import annotations
@@ -145,6 +145,12 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
+def result_stem(size: str, used: str) -> str:
+    """convert_cost-SIZE for a float32 calibration, convert_cost-SIZE-bfloat16 for a bfloat16 one: a CPU that
+    calibrates in bfloat16 (AVX512-BF16, AMX) keeps its figures beside a float32 CPU's."""
+    return f"convert_cost-{size}" + ("" if used == "float32" else f"-{used}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="0.3b", choices=sorted(QWEN_SIZES) + sorted(SIZES))
@@ -161,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"convert_cost-{args.size}.json").write_text(json.dumps(r, indent=2) + "\n")
+    stem = result_stem(args.size, r["calib_arith"]["used"])
+    (results / f"{stem}.json").write_text(json.dumps(r, indent=2) + "\n")
     text = markdown(r)
-    (results / f"convert_cost-{args.size}.md").write_text(text)
+    (results / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

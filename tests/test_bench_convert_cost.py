@@ -32,6 +32,13 @@ def test_the_report_reads_the_ratio_and_the_goals(convert_cost):
     assert saved["convert_over_forward"] == pytest.approx(saved["convert"]["cpu_s"] / saved["forward"]["forward_cpu_s"])
 
 
+def test_a_bfloat16_calibrations_figures_are_kept_beside_float32s(convert_cost):
+    assert convert_cost.result_stem("1.2b", "float32") == "convert_cost-1.2b"
+    assert convert_cost.result_stem("1.2b", "bfloat16") == "convert_cost-1.2b-bfloat16"
+    for path in (ROOT / "bench/results").glob("convert_cost-*-bfloat16.json"):
+        assert json.loads(path.read_text())["calib_arith"]["used"] == "bfloat16", path
+
+
 def test_the_forward_alone_runs_the_calibration_samples_in_step(tmp_path):
     save_tiny("llama", tmp_path)
     done = subprocess.run([sys.executable, str(ROOT / "bench/convert_cost.py"), "--forward-only", str(tmp_path)],

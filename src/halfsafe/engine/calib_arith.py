@@ -12,10 +12,11 @@ model's weights are bfloat16 already, so what is rounded is the activations goin
 Convert then keeps the float32 plan by checking that its decisions hold for every peak within `PEAK_RTOL`
 (halfsafe.convert), and measures again in float32 where one does not.
 
-Where the CPU has AVX512-BF16 or AMX, PyTorch's (oneDNN's) bfloat16 products run 4x faster than float32 ones or
-more; without them they run slower (a bfloat16 product is then emulated in float32, plus the conversions), so
-"auto" measures once on this machine (`bfloat16_products_speedup`) and takes bfloat16 only where it is `FAST`er.
-What it chose and why is recorded in halfsafe.json; the measured speed is logged, never recorded.
+Where the CPU has AVX512-BF16 or AMX, PyTorch's (oneDNN's) bfloat16 products run faster than float32 ones (2.2x on
+one thread of an AMD EPYC with AVX512-BF16, about 4x on two; more with AMX); without them they run slower (a
+bfloat16 product is then emulated in float32, plus the conversions), so "auto" measures once on this machine
+(`bfloat16_products_speedup`) and takes bfloat16 only where it is `FAST`er. What it chose and why is recorded in
+halfsafe.json; the measured speed is logged, never recorded.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Bf16MatrixKernels(TorchDispatchMode):
 @functools.cache
 def bfloat16_products_speedup() -> float:
     """How many times faster PyTorch's bfloat16 matrix product is than its float32 one on this CPU, measured once
-    (best of 3, [256, 1024] x [1024, 1024]; well under a second): about 4 with AVX512-BF16 or AMX, under 1 without."""
+    (best of 3, [256, 1024] x [1024, 1024]; well under a second): 2 to 4 with AVX512-BF16, more with AMX, under 1
+    without."""
     x, w = torch.randn(256, 1024), torch.randn(1024, 1024)
     return product_seconds(x, w) / product_seconds(x.bfloat16(), w.bfloat16())
 
