@@ -25,8 +25,8 @@ HEAD_CHUNK_BYTES = 64 << 20
 
 
 def head_chunk(vocab: int) -> int:
-    """Positions per lm_head call for a head of `vocab` outputs (float32 logits)."""
-    return max(HEAD_CHUNK, HEAD_CHUNK_BYTES // (4 * max(vocab, 1)))
+    """Positions per lm_head call for a head of `vocab` outputs (float32 logits); HEAD_CHUNK where that is unknown (0)."""
+    return max(HEAD_CHUNK, HEAD_CHUNK_BYTES // (4 * vocab)) if vocab > 0 else HEAD_CHUNK
 
 
 def is_encoder_decoder(model: PreTrainedModel) -> bool:
@@ -126,5 +126,5 @@ def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
         return
     with weights_of(model).held():  # a streamed model's head loads once, not once per chunk
         hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state
-        for chunk in hidden.split(head_chunk(head.out_features if hasattr(head, "out_features") else 0), dim=1):
+        for chunk in hidden.split(head_chunk(getattr(head, "out_features", 0)), dim=1):
             head(chunk)
