@@ -58,3 +58,27 @@ def test_a_streamed_model_reuses_its_blocks_tensors_with_the_same_logits(tmp_pat
     assert torch.equal(logits(model, ids), first), "without the pool: the same logits"
     unit = max(sum(p.numel() * 4 for p in model.get_submodule(u).parameters()) for u in s.units)
     assert pool.held_bytes() <= unit + sum(p.numel() * 4 for n, p in model.named_parameters() if "layers" not in n)
+
+
+def test_slices_of_a_rescaled_wide_weight_never_pile_up_in_the_pool(tmp_path, monkeypatch):
+    """A wide weight with a rescale is read a slice of rows at a time in float32 and cast: those slices are not whole
+    reads and must not enter the pool (writing a 7.6B checkpoint once piled up its 2 GB embedding there, a slice at a
+    time, since the whole reads in between all found their size and nothing emptied it)."""
+    import halfsafe.engine.wide as wide
+    from halfsafe.core.weights import MUL
+
+    monkeypatch.setattr(wide, "MIN_CHUNK_ROWS", 32)
+    monkeypatch.setattr(wide, "CHUNK_BYTES", 1)
+    save_tiny("llama", tmp_path)
+    s = streamed_of(load_model(tmp_path, stream=True).model)
+    s.wide_bytes = 0
+    name = "model.embed_tokens.weight"
+    s.set_rescale({name: [(MUL, -2, None)]})
+    saved = s.set_dtype(torch.float16)
+    try:
+        assert s._is_wide(name)
+        slices = [s.rows(name, a, a + 32) for a in range(0, s.shards.shape(s.key_of[name])[0], 32)]
+    finally:
+        s.restore_dtype(saved)
+    assert all(t.dtype == torch.float16 for t in slices)
+    assert s.shards.pool.held_bytes() == 0

@@ -84,7 +84,7 @@ class Streamed:
             t = WideWeight(self, name, self.shards.shape(key), self._dtype_of(name), self.device)
         else:
             self.loads += 1
-            t = self._prepared(name, lambda dtype: self.shards.load(key, dtype))
+            t = self._prepared(name, lambda dtype: self.shards.load(key, dtype), reusable=True)
         self._cache[name] = t
         return t
 
@@ -102,9 +102,11 @@ class Streamed:
     def _dtype_of(self, name: str) -> torch.dtype:
         return torch.float32 if self._strict is not None and self._strict.search(name) else self.dtype
 
-    def _prepared(self, name: str, read) -> torch.Tensor:
+    def _prepared(self, name: str, read, reusable: bool = False) -> torch.Tensor:
         """`read(dtype)` (stored values) rescaled and cast as the model computes with them. Rescaled in float32;
-        otherwise read straight into the compute dtype: the same single rounding, without a float32 copy on the way."""
+        otherwise read straight into the compute dtype: the same single rounding, without a float32 copy on the way.
+        `reusable`: a whole tensor's read, whose float32 copy goes back to the pool for the next whole read of its size
+        (slices of rows are never read from the pool: given to it, they would only pile up until a miss)."""
         from torch.utils._python_dispatch import _disable_current_modes
 
         entries = self.rescale.get(name, ())
@@ -114,7 +116,7 @@ class Streamed:
         with _disable_current_modes():
             t = rescaled(read(torch.float32 if entries or dtype == torch.float32 else dtype), entries)
             out = t.to(self.device, dtype)
-            if out is not t:
+            if out is not t and reusable:
                 self._let_go(t)  # the float32 read, cast: the next read of its size reuses it
             return out
 
