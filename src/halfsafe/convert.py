@@ -294,9 +294,8 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
         # a decision sits within bfloat16's difference of its limit: the float32 peaks decide it, as they would alone
         calib["float32_again"] = (f"a peak sat within {PEAK_RTOL:g} of a limit the plan is chosen at: calibrated again "
                                   "in float32")
-        with reads.phase(model, "scan"):
-            report = scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=FLOAT32), progress,
-                               beside=[reference_logits] if profile.is_torch and "reference" not in logits_fp32 else [])
+        with reads.phase(model, "scan"):  # the reference ran beside the bfloat16 calibration already
+            report = scan_with(model, samples, ScanOptions(fp16=options.fp16, calib_arith=FLOAT32), progress)
         constraints = site_constraints(report.sites, governed) + weights
     if "reference" not in logits_fp32:
         with reads.phase(model, "reference"), phase("reference", model, quiet=not progress):
