@@ -1,14 +1,15 @@
 """Write a model's weights and config as an fp16 checkpoint (`save_fp16`); a streamed model one tensor at a time.
 
 Every tensor of a streamed model is read once from its source shard, rescaled by the current table, cast to float16 and written
-straight into its place in the output shard, so memory holds one tensor, whatever the model's size. The files are
+straight into its place in the output shard, so memory holds one tensor, whatever the model's size. A thread
+hashes and writes each file's bytes while the next tensor is computed, past the page cache where the file system
+allows (engine.file_out). The files are
 laid out as `safetensors.save_file` lays them out (header order, alignment, padding), sharded as transformers
 shards (`huggingface_hub.split_torch_state_dict_into_shards`, with an index), with tied weights stored once.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..core.formats import all_finite
 from ..errors import HalfsafeError
 from ..progress import phase
 from .choices import DEFAULT_MAX_SHARD_SIZE  # the hub's own default (engine.choices)
+from .file_out import FileOut
 from .precision import cast_copy
 from .shards import row_spans
 from .streamed import Streamed, saved_name, streamed_of
@@ -148,11 +150,10 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    digest = hashlib.sha256()  # of the bytes as they go out, for halfsafe.json's fingerprint (not read back again)
-    with open(path, "wb") as f:
-        for b in (struct.pack("<Q", len(text)), text):
-            f.write(b)
-            digest.update(b)
+    # hashed as the bytes go out, for halfsafe.json's fingerprint (never read back); written by a thread (file_out)
+    with FileOut(path) as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
         for n in order:
             rows, shape = 0, tuple(layout[n].shape)
             for t in value(n):  # whole rows, in order
@@ -160,10 +161,9 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
                     raise HalfsafeError(f"internal error: {n} is {tuple(t.shape)} {t.dtype}, expected {shape}")
                 rows += t.shape[0] if shape else 1
                 if t.numel():
-                    data = t.view(-1).view(torch.uint8).numpy().data  # the tensor's own bytes, no copy
-                    f.write(data)
-                    digest.update(data)
+                    f.write(t.view(-1).view(torch.uint8).numpy().data)  # copied into the file's staging block
             if rows != (shape[0] if shape else 1):
                 raise HalfsafeError(f"internal error: {rows} rows written for {n}, expected {shape}")
             advance()
-    remember(path, digest.hexdigest())
+        digest = f.close()
+    remember(path, digest)
