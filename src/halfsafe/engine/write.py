@@ -1,11 +1,11 @@
 """Write a model's weights and config as an fp16 checkpoint (`save_fp16`); a streamed model one tensor at a time.
 
-Every tensor of a streamed model is read once from its source shard, rescaled by the current table, cast to float16 and written
-straight into its place in the output shard, so memory holds one tensor, whatever the model's size. A thread
-hashes and writes each file's bytes while the next tensor is computed, past the page cache where the file system
-allows (engine.file_out). The files are
-laid out as `safetensors.save_file` lays them out (header order, alignment, padding), sharded as transformers
-shards (`huggingface_hub.split_torch_state_dict_into_shards`, with an index), with tied weights stored once.
+Every tensor of a streamed model is read once from its source shard, rescaled by the current table, cast to float16
+and written straight into its place in the output shard, so memory holds one tensor, whatever the model's size. A
+thread hashes and writes each file's bytes while the next tensor is computed, past the page cache where the file
+system allows (engine.file_out). The files are laid out as `safetensors.save_file` lays them out (header order,
+alignment, padding), sharded as transformers shards (`huggingface_hub.split_torch_state_dict_into_shards`, with an
+index), with tied weights stored once.
 """
 
 from __future__ import annotations
