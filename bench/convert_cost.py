@@ -45,6 +45,7 @@ def forward_only(folder: str, calib_arith: str) -> dict:
     from halfsafe.core.forward import run_for_stats
     from halfsafe.engine.calib_arith import calib_arith as arith
     from halfsafe.engine.pipeline import in_step
+    from halfsafe.engine.shared_head import SharedHead
     from halfsafe.io.loading import load_model
     from halfsafe.job import calibration
     from halfsafe.requests.convert import CONVERT_TEXT
@@ -54,7 +55,10 @@ def forward_only(folder: str, calib_arith: str) -> dict:
     model = loaded.model
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     with torch.no_grad(), arith(calib_arith):
-        in_step(model, [partial(run_for_stats, model, ids) for ids in job.samples])
+        shared = SharedHead.of(model, job.samples)  # a wide head read once for every sample, as the scan reads it
+        in_step(model, [partial(run_for_stats, model, ids, shared) for ids in job.samples])
+        if shared is not None:
+            shared.run()
     return {"forward_cpu_s": time.process_time() - start_cpu, "forward_wall_s": time.perf_counter() - start_wall,
             "samples": len(job.samples), "tokens": sum(int(s.numel()) for s in job.samples)}
 

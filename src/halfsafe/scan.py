@@ -21,6 +21,7 @@ from .engine.calib_arith import resolve as resolve_calib
 from .engine.fp16_arith import resolve
 from .engine.pipeline import in_step
 from .engine.precision import in_dtype
+from .engine.shared_head import SharedHead
 from .io import loading  # loading.load_model: read when called, where the tests replace it
 from .progress import phase
 from .requests import ScanOptions, ScanRequest
@@ -106,9 +107,13 @@ def collect(model: PreTrainedModel, samples: list[torch.Tensor], progress: bool 
         raise ValueError("forwards beside the samples run in step, which a runtime profile's collector does not allow")
     with ActivationCollector(model) as collector, also, phase(label, model, passes=len(samples) + len(beside),
                                                              quiet=not progress, pass_name=None if together else "sample"):
-        runs = [partial(run_for_stats, model, ids) for ids in samples] + [collector.unrecorded_run(r) for r in beside]
+        # a wide head read once for every sample, after the pass (not under `also`: its hooks must see the head's calls)
+        shared = SharedHead.of(model, samples, collector.record) if together else None
+        runs = [partial(run_for_stats, model, ids, shared) for ids in samples] + [collector.unrecorded_run(r) for r in beside]
         if together:
             in_step(model, runs)
+            if shared is not None:
+                shared.run()
         else:
             for run in runs:
                 run()

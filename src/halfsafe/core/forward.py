@@ -114,10 +114,12 @@ def logits(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
+def run_for_stats(model: PreTrainedModel, ids: torch.Tensor, shared_head=None) -> None:
     """A forward pass whose activations are measured. For standard causal LMs the body runs once and
     the LM head runs on chunks of positions: every head output is still seen by the hooks, but the
-    [seq, vocab] logits never exist whole (262k vocab x 512 tokens is 0.5 GB in fp32)."""
+    [seq, vocab] logits never exist whole (262k vocab x 512 tokens is 0.5 GB in fp32). `shared_head`
+    (engine.shared_head.SharedHead, where the scan has one) takes the last hidden state instead, and runs the
+    head once for every sample of the pass."""
     base = getattr(model, model.base_model_prefix, None) if model.base_model_prefix else None
     head = model.get_output_embeddings()
     standard_causal = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -126,5 +128,8 @@ def run_for_stats(model: PreTrainedModel, ids: torch.Tensor) -> None:
         return
     with weights_of(model).held():  # a streamed model's head loads once, not once per chunk
         hidden = base(**model_inputs(model, ids), use_cache=False).last_hidden_state
+        if shared_head is not None:
+            shared_head.take(hidden)
+            return
         for chunk in hidden.split(head_chunk(getattr(head, "out_features", 0)), dim=1):
             head(chunk)
