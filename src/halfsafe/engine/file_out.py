@@ -32,13 +32,13 @@ class FileOut:
     returns their sha256 (hex) once every byte is on its way to the disk (written as a plain `write` leaves it). An
     error of the writing thread (a full disk) is raised in the caller, by the next `write` or by `close`."""
 
-    def __init__(self, path: Path, block: int = BLOCK, direct: bool = True) -> None:
+    def __init__(self, path: Path, block: int = BLOCK) -> None:
         if block % ALIGN:
             raise ValueError(f"block must be a multiple of {ALIGN}")
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)
                            | getattr(os, "O_CLOEXEC", 0), 0o666)
-        self.direct = direct and _set_direct(self._fd, True)
+        self.direct = _set_direct(self._fd, True)
         self._blocks = [mmap.mmap(-1, block) for _ in range(2)]  # anonymous maps: page-aligned, as O_DIRECT needs
         self._free: queue.Queue = queue.Queue()
         for i in range(len(self._blocks)):
