@@ -28,7 +28,6 @@ from ..core.lanes import lane, set_lane
 from ..core.sites import Site
 from .shards import row_spans
 from .streamed import Streamed, streamed_of
-from .wide import WideWeight
 
 HIDDEN_BYTES = 256 << 20  # the samples' hidden states kept for the head at most; beyond, each sample calls its head
 
@@ -69,8 +68,7 @@ class SharedHead:
         """The head on every sample taken, each slice of its rows read once (module docstring)."""
         if not self.pending:
             return
-        s = self.streamed
-        weight = WideWeight(s, self.param, s.shards.shape(s.key_of[self.param]), s._dtype_of(self.param), s.device)
+        weight = self.streamed.wide(self.param)
         n = weight.shape[0]
         site_in, site_out = str(Site(self.module, "in")), str(Site(self.module, "out"))
         try:

@@ -81,12 +81,17 @@ class Streamed:
             return t
         key = self.key_of[name]
         if self._is_wide(name):
-            t = WideWeight(self, name, self.shards.shape(key), self._dtype_of(name), self.device)
+            t = self.wide(name)
         else:
             self.loads += 1
             t = self._prepared(name, lambda dtype: self.shards.load(key, dtype), reusable=True)
         self._cache[name] = t
         return t
+
+    def wide(self, name: str) -> WideWeight:
+        """A stand-in for the wide parameter `name` (see `_is_wide`): its shape, dtype and device, its values read a
+        slice at a time (engine.wide). Holds nothing, and is not cached."""
+        return WideWeight(self, name, self.shards.shape(self.key_of[name]), self._dtype_of(name), self.device)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of what `tensor(name)` computes with (a wide weight's values, a slice at a time). Each
