@@ -158,3 +158,39 @@ def test_an_unknown_calibration_arithmetic_is_a_one_line_error(tmp_path, capsys)
     assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--calib-arith", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--calib-arith" in err[-1] and "invalid choice" in err[-1] and not (tmp_path / "out").exists()
+
+
+def _bf16_linear(x, w, b=None):
+    y = (x.bfloat16() @ w.detach().bfloat16().t()).float()
+    return y if b is None else y + b
+
+
+def test_a_weight_changed_in_place_inside_one_calibration_is_rounded_again():
+    """The cache's key is the weight's place and its version counter: a weight changed in place (the same tensor,
+    the same memory) between two products of one calibration multiplies with its new values, however it changed
+    (a whole-tensor op, a row written through a view, a copy into it as the pool's reads write a recycled tensor),
+    and two views of one storage (row slices at different offsets, as a head's chunks; a matrix and its transpose)
+    are never taken for each other."""
+    x = torch.randn(4, 64)
+    layer = torch.nn.Linear(64, 32)
+    w, b = layer.weight, layer.bias
+    place = w.data_ptr()
+    changes = [lambda: w.mul_(2), lambda: w[3].copy_(torch.randn(64)), lambda: w.copy_(torch.randn(32, 64)),
+               lambda: w.t()[5].zero_(), lambda: w.add_(1e-3)]
+    with calib_arith.calib_arith(calib_arith.BFLOAT16) as mode:
+        assert torch.equal(layer(x), _bf16_linear(x, w, b))
+        for change in changes:
+            before = layer(x)
+            with torch.no_grad():
+                change()
+            assert w.data_ptr() == place
+            after = layer(x)
+            assert torch.equal(after, _bf16_linear(x, w, b)), "a stale rounding of the weight was reused"
+            assert not torch.equal(after, before)
+        assert mode.calls == 2 * len(changes) + 1
+        square = torch.randn(64, 64)
+        top, bottom = square[:32], square[32:]  # one storage, the same shape and strides, two offsets
+        assert torch.equal(torch.nn.functional.linear(x, top), _bf16_linear(x, top))
+        assert torch.equal(torch.nn.functional.linear(x, bottom), _bf16_linear(x, bottom))
+        assert torch.equal(x @ square, (x.bfloat16() @ square.bfloat16()).float())  # mm's right operand: `square`
+        assert torch.equal(x @ square.t(), (x.bfloat16() @ square.t().bfloat16()).float())  # its transpose, same place
