@@ -28,7 +28,7 @@ def node_missing() -> str | None:
 def chromium_missing() -> str | None:
     """Why the web page cannot run here (a skip reason), or None."""
     if shutil.which("chromium") is None:
-        return ("Debian's chromium not installed (scripts/setup installs it when run as root with apt-get; "
+        return ("Debian's chromium not installed (scripts/test installs it when run as root with apt-get; "
                 "else apt-get install chromium)")
     return node_missing()
 
