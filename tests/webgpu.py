@@ -66,29 +66,16 @@ def adapter_missing() -> str | None:
     return f"no software WebGPU adapter: {env_file()} missing (scripts/install-webgpu makes it)"
 
 
-_EXPANSION = re.compile(r"\$\{(\w+):\+([^}]*)\}|\$\{(\w+)\}|\$(\w+)")  # ${A:+WORD}, ${A}, $A
-
-
-def _expand(text: str, env: dict) -> str:
-    def value(m: re.Match) -> str:
-        if m.group(1):
-            return _expand(m.group(2), env) if env.get(m.group(1)) else ""
-        return env.get(m.group(3) or m.group(4), "")
-
-    return _EXPANSION.sub(value, text)
-
-
 def runtime_env(shader_cache: str | Path | None = None) -> dict:
-    """os.environ plus the env file's variables (its `export NAME="VALUE"` lines read here as a shell would expand
-    them), with MESA_SHADER_CACHE_DIR moved to `shader_cache` or $HALFSAFE_SHADER_CACHE when given."""
+    """os.environ plus the env file's variables, as bash sets them when it sources the file (install-webgpu quotes
+    them for the shell), with MESA_SHADER_CACHE_DIR moved to `shader_cache` or $HALFSAFE_SHADER_CACHE when given."""
     env = dict(os.environ)
-    for line in env_file().read_text().splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        m = re.fullmatch(r'\s*export\s+(\w+)=("?)(.*)\2\s*', line)
-        if m is None:
-            raise ValueError(f"{env_file()}: cannot read {line!r} (expected export NAME=\"VALUE\")")
-        env[m.group(1)] = _expand(m.group(3), env)
+    names = re.findall(r"^export (\w+)=", env_file().read_text(), re.MULTILINE)
+    dump = '. "$1" || exit 1; shift; for name; do printf "%s\\0" "${!name}"; done'
+    done = subprocess.run(["bash", "-c", dump, "bash", str(env_file()), *names], env=env, capture_output=True, timeout=60)
+    if done.returncode != 0:
+        raise ValueError(f"{env_file()}: bash cannot source it: {done.stderr.decode(errors='replace').strip()}")
+    env.update(zip(names, os.fsdecode(done.stdout).split("\0")))
     shader_cache = shader_cache or os.environ.get(SHADER_CACHE_VAR)
     if shader_cache:
         env["MESA_SHADER_CACHE_DIR"] = str(shader_cache)
