@@ -3,7 +3,10 @@
     python examples/web/serve.py OUT-onnx [--port 8000]      then open http://localhost:8000/
 
 URL paths: `/` this folder (index.html, app.js), `/node_modules/` clients/js/node_modules (`npm ci
---ignore-scripts` there first), `/models/model/` the model folder. Nothing is fetched from elsewhere.
+--ignore-scripts` there first), `/models/model/` the model folder. Nothing is fetched from elsewhere, and nothing
+is served from outside those three folders: a path that is not plainly one inside them (not starting with `/`, bad
+percent-encoding, a control character such as `%00`, a `.` or `..` segment, over MAX_PATH characters) is answered
+400 before any file is looked at.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.server
+import re
 import sys
 import threading
 import urllib.parse
@@ -18,10 +22,40 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 NODE_MODULES = HERE.parent.parent / "clients" / "js" / "node_modules"
+MAX_PATH = 1024  # characters of a decoded URL path; the page's longest is under 200
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\\]")  # and backslash: no file here has one, and it is a separator elsewhere
+
+
+def bad_path(target: str) -> str | None:
+    """Why the request target `target` names no file this server may serve (the 400's message), or None."""
+    raw = target.split("?", 1)[0].split("#", 1)[0]
+    if not raw.startswith("/"):  # an absolute URL, "*"; http.server has made a leading "//" one "/"
+        return "the path must start with /"
+    if _BAD_ESCAPE.search(raw):
+        return "bad percent-encoding"
+    try:
+        path = urllib.parse.unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        return "the percent-encoded bytes are not UTF-8"
+    if len(path) > MAX_PATH:
+        return f"the path is over {MAX_PATH} characters"
+    if _CONTROL.search(path):
+        return "a control character or backslash in the path"
+    if any(part in (".", "..") for part in path.split("/")):
+        return "a . or .. segment in the path"
+    return None
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
     roots: dict[str, Path] = {}
+
+    def send_head(self):  # GET and HEAD: a malformed path is answered 400, never looked up
+        why = bad_path(self.path)
+        if why is not None:
+            self.send_error(400, why)
+            return None
+        return super().send_head()
 
     def translate_path(self, path: str) -> str:
         path = urllib.parse.unquote(path.split("?", 1)[0].split("#", 1)[0])
