@@ -147,6 +147,10 @@ def test_a_shard_larger_than_this_machine_can_map_is_refused(model, capsys):
     with open(model / "model-huge.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         f.truncate(8 + len(header) + 2 * n)
+    # a shard transformers reads (the index names it): a file beside model.safetensors is never read, so never mapped
+    (model / "model.safetensors").rename(model / "model-small.safetensors")
+    weight_map = {**{k: "model-small.safetensors" for k in load_file(model / "model-small.safetensors")}, "huge": "model-huge.safetensors"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     refused(capsys, ["scan", str(model), *SHORT], "model-huge.safetensors", "more than this machine can map")
 
 

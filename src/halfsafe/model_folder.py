@@ -1,15 +1,17 @@
 """Where a model folder ends: every file a checkpoint names must resolve, symlinks followed, to a place inside it.
 
-The path half of the trust boundary (io/trust.py is the whole of it). It imports nothing of halfsafe's but its error,
-so every layer can use it: the engine's shard reader resolves each shard here, below io/, which drives the engine.
+The path half of the trust boundary (io/trust.py is the whole of it). It imports nothing of halfsafe's but its error
+and filetypes (which imports nothing else), so every layer can use it: the engine's shard reader resolves each shard here, below io/, which drives the engine.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from .errors import HalfsafeError
+from .filetypes import kind
 
 
 def model_root(folder: Path) -> Path:
@@ -29,4 +31,20 @@ def inside(folder: Path, name: str | os.PathLike) -> Path:
     if path != root and not path.is_relative_to(root):
         raise HalfsafeError(f"{folder} names {name}, which is {path}, outside the model folder: halfsafe reads only "
                             "files inside MODEL; copy that file into the folder or fix the checkpoint")
+    return path
+
+
+def model_file(folder: Path, name: str | os.PathLike) -> Path | None:
+    """`inside(folder, name)` where a regular file is there, None where nothing is; anything else (a FIFO, a device, a
+    socket, a folder) is refused without being opened: a FIFO would block its reader forever, a device never ends."""
+    path = inside(folder, name)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise HalfsafeError(f"{Path(folder) / name} cannot be read ({e.strerror}): fix its permissions or remove it") from None
+    if not stat.S_ISREG(mode):
+        raise HalfsafeError(f"{Path(folder) / name} is {kind(mode)}, not a file: halfsafe opens only regular files in a "
+                            "model folder; replace it with the file itself or remove it")
     return path

@@ -1,14 +1,14 @@
 """The safetensors files of a checkpoint folder, read one tensor at a time.
 
-halfsafe never unpickles: a folder holding only `.bin`/`.pt` weights is refused with the command that turns it
-into safetensors. A shard named in the index but absent, or a file whose header does not parse, is a one-line
-error before any work starts. Every file the checkpoint names is resolved inside the folder (`model_folder.inside`), and
+The files and tensors are the ones transformers' loader reads (engine.weight_files); halfsafe never unpickles: a
+folder holding only `.bin`/`.pt` weights is refused with the command that turns it into safetensors. A shard named
+in the index but absent, a file whose header does not parse, a tensor of a type halfsafe does not read, is a
+one-line error before any work starts. Every file the checkpoint names is resolved inside the folder (`model_folder.inside`), and
 a shard larger than this machine can map is refused before it is opened.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -21,10 +21,8 @@ from safetensors import SafetensorError, safe_open
 from ..errors import HalfsafeError
 from ..model_folder import inside
 from .pool import Pool
+from .weight_files import file_of_each_key
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 READ_BYTES = 32 << 20  # a tensor larger than this (as stored) is read in blocks of rows this size
 
 
@@ -72,14 +70,14 @@ class Shards:
                     for key in f.keys():
                         if self.file_of.get(key) == name:
                             s = f.get_slice(key)
-                            self._meta[key] = (tuple(s.get_shape()), _DTYPES[s.get_dtype()])
+                            self._meta[key] = (tuple(s.get_shape()), _dtype(self.folder / name, key, s.get_dtype()))
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise HalfsafeError(f"{self.folder / name} is not a readable safetensors file ({_first_line(e)}): "
                                     "re-download or re-save the checkpoint") from None
         missing = [k for k in self.file_of if k not in self._meta]
-        if missing:
-            raise HalfsafeError(f"the index names {missing[0]} in {self.file_of[missing[0]]}, which does not hold it: "
-                                "the checkpoint is incomplete; re-download it")
+        if missing:  # the header read changed under us
+            raise HalfsafeError(f"{self.folder / self.file_of[missing[0]]} does not hold {missing[0]} as its header said: "
+                                "the checkpoint changed while halfsafe read it; run again once it is complete")
         self._open: dict[str, object] = {}
         self._stack: ExitStack | None = None
         self.bytes_read = 0  # bytes of stored tensors read so far, as stored (engine.reads turns them into passes)
@@ -197,44 +195,23 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
+def _dtype(path: Path, key: str, stored: str) -> torch.dtype:
+    """The torch dtype of a stored tensor's safetensors dtype; one halfsafe does not read (U16, U32, U64, the 4- and
+    6-bit floats ...) is refused naming the tensor, before any work starts."""
+    dtype = _DTYPES.get(stored)
+    if dtype is None:
+        raise HalfsafeError(f"{path} stores {key} as {stored}, a type halfsafe does not read ({', '.join(_DTYPES)}): "
+                            "re-save the checkpoint in bfloat16 or float32 (save_pretrained after .to(torch.bfloat16))")
+    return dtype
+
+
 def _file_of_each_key(folder: Path) -> dict[str, str]:
-    """key -> the file holding it, every file resolved inside `folder` and small enough to map."""
-    index = folder / INDEX
-    if index.is_file():
-        index = inside(folder, INDEX)
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise HalfsafeError(f"{index} is not a valid safetensors index: re-download or re-save the checkpoint") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise HalfsafeError(f"{index}'s weight_map is not a map of names to files: re-download or re-save the checkpoint")
-        absent = sorted({f for f in weight_map.values() if not inside(folder, f).is_file()})
-        if absent:
-            raise HalfsafeError(f"{folder} is missing {absent[0]}, a weight shard its index names"
-                                f"{f' (and {len(absent) - 1} more)' if len(absent) > 1 else ''}: download every shard")
-        for f in sorted(set(weight_map.values())):
-            check_mappable(inside(folder, f))
-        return dict(weight_map)
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        pickled = [p.name for pattern in _PICKLED for p in folder.glob(pattern)]
-        if pickled:
-            raise HalfsafeError(
-                f"{folder} holds only pickled weights ({pickled[0]}); halfsafe never unpickles. Convert them once "
-                "with transformers: AutoModel.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)")
-        raise HalfsafeError(f"{folder} has no weights (*.safetensors): copy the weight files next to config.json")
-    out: dict[str, str] = {}
-    for name in files:
-        path = inside(folder, name)
-        check_mappable(path)
-        try:
-            with safe_open(path, "pt") as f:
-                for key in f.keys():
-                    out.setdefault(key, name)
-        except (SafetensorError, OSError, RuntimeError) as e:
-            raise HalfsafeError(f"{folder / name} is not a readable safetensors file ({_first_line(e)}): "
-                                "re-download or re-save the checkpoint") from None
-    return out
+    """key -> the file holding it, as transformers' loader takes it (engine.weight_files), every file resolved inside
+    `folder` and small enough to map."""
+    file_of = file_of_each_key(folder)
+    for name in sorted(set(file_of.values())):
+        check_mappable(inside(folder, name))
+    return file_of
 
 
 def _first_line(e: BaseException) -> str:
