@@ -5,12 +5,14 @@ next run."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -231,3 +233,135 @@ def test_overwrite_replaces_only_the_folder_that_was_there_when_the_save_began(m
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "appeared while this run was writing it" in err[0], err
     assert folder_hash(out) == other and not list(tmp_path.glob(".out.*"))
+
+
+
+# --- the write's thread fails: the caller gets the error, and never waits for a staging block that never comes back --
+
+_FILE_OUT_WRITER = """
+import importlib.util, json, os, resource, signal, sys
+source, out, block, blocks, tail, limit = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+spec = importlib.util.spec_from_file_location("file_out", source)  # the module alone: stdlib only, no torch to load
+file_out = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(file_out)
+if limit:  # a file may grow to `limit` bytes, then every write fails (EFBIG) as on a full disk
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+step, f = None, None
+try:
+    with file_out.FileOut(out, block=block) as f:
+        for step in range(blocks):
+            f.write(os.urandom(block))
+        if tail:
+            step = "tail"
+            f.write(os.urandom(tail))
+        step = "close"
+        f.close()
+    print(json.dumps({"raised_at": None}))
+except OSError as e:
+    print(json.dumps({"raised_at": step, "errno": e.errno, "thread_alive": f is not None and f._thread.is_alive()}))
+"""
+
+BLOCKS = 5
+# where the write fails: (the block that fails, counted from 0, the last being the tail; the tail's bytes)
+FAIL_AT = {"first": (0, 100), "second": (1, 100), "middle": (2, 100), "second to last": (BLOCKS - 2, 100),
+           "last whole block": (BLOCKS - 1, 0), "the tail": (BLOCKS, None)}
+
+
+def _writer(out: Path, block: int, tail: int, limit: int = 0, meanwhile=lambda child: None) -> tuple[dict, list]:
+    """FileOut writing BLOCKS blocks of `block` bytes, then `tail` bytes, into `out`, in a process of its own (what
+    it raised, and where), while `meanwhile(child)` runs here; a caller still waiting after 60 s fails the test."""
+    from halfsafe.engine import file_out
+
+    args = [file_out.__file__, str(out), block, BLOCKS, tail, limit]
+    child = subprocess.Popen([sys.executable, "-c", _FILE_OUT_WRITER, *map(str, args)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    try:
+        meanwhile(child)
+        stdout, stderr = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        pytest.fail("the caller hung: still waiting after 60 s (for a staging block the failed write kept?)")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 0, stderr
+    return json.loads(stdout), [*range(BLOCKS), *(["tail"] if tail else []), "close"]
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "file size limit"])
+@pytest.mark.parametrize("where", sorted(FAIL_AT))
+def test_a_full_disk_under_the_writes_thread_reaches_the_caller_whichever_block_fails(tmp_path, request, disk, where):
+    """engine.file_out: the thread's write of block k fails for real one page into the block (a full tmpfs: ENOSPC;
+    past RLIMIT_FSIZE, which needs no mount: EFBIG). The caller, writing a block at a time, gets that error from the
+    write of block k+1 or k+2 (two staging blocks: it is at most one block ahead) or from close, never hangs, and
+    the thread is done."""
+    block = 2 * 4096
+    k, tail = FAIL_AT[where]
+    tail = 4096 + 100 if tail is None else tail  # the tail (written by close) fails one page in too
+    room = k * block + 4096
+    if disk == "tmpfs":
+        folder = request.getfixturevalue("small_disk")
+        (folder / "filler").write_bytes(b"\0" * ((4 << 20) - room))
+        fs = os.statvfs(folder)
+        assert fs.f_bavail * fs.f_frsize == room
+        limit, full = 0, errno.ENOSPC
+    else:
+        folder, limit, full = tmp_path, room, errno.EFBIG
+    got, steps = _writer(folder / "out.bin", block, tail, limit)
+    assert got["raised_at"] is not None, f"the failed write of block {k} was never raised in the caller"
+    assert got["errno"] == full and not got["thread_alive"]
+    at = steps.index(got["raised_at"])
+    assert k < at <= min(k + 2, len(steps) - 1), f"block {k} failed; raised by {got['raised_at']}"
+
+
+@pytest.mark.parametrize("where", sorted(FAIL_AT))
+def test_a_write_failing_while_the_caller_waits_for_a_staging_block_is_raised_not_hung(tmp_path, where):
+    """The order that hangs a caller if a failed write keeps its staging block: block k's write is under way when
+    the caller, with block k+1 staged, waits for a free block (or, past the last block, in close). The file is a
+    FIFO read here: blocks 0..k-1 are read, block k's write fills the pipe and waits; once the caller's thread sleeps,
+    the reader is closed and block k's write fails (EPIPE). The caller must get the error from exactly the next
+    step that can raise (the write of block k+2, the tail, or close)."""
+    import fcntl
+    import select
+
+    block = 256 << 10
+    k, tail = FAIL_AT[where]
+    tail = block - 4096 + 100 if tail is None else tail
+    fifo = tmp_path / "out.bin"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # no wait for the writer; no EOF reported before it comes
+    room = fcntl.fcntl(reader, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+    assert room < block // 2 and (k < BLOCKS or tail > room), "the failing block must fill the pipe"
+
+    def wait_readable():
+        assert select.select([reader], [], [], 60)[0], "the writer wrote nothing for 60 s"
+
+    def fail_block_k_while_the_caller_waits(child):
+        left = k * block
+        while left:
+            wait_readable()
+            got = os.read(reader, min(left, 1 << 16))
+            assert got, "the writer closed the file early"
+            left -= len(got)
+        wait_readable()  # block k's bytes: its write is under way, held by the full pipe
+        stat = Path(f"/proc/{child.pid}/task/{child.pid}/stat")
+        for _ in range(60_000):  # until the caller's thread sleeps: waiting for a staging block, or in close
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "S":
+                break
+            time.sleep(0.001)
+        else:
+            pytest.fail("the caller never waited")
+        os.close(reader)
+        open_.clear()
+
+    open_ = [reader]
+    try:
+        got, steps = _writer(fifo, block, tail, meanwhile=fail_block_k_while_the_caller_waits)
+    finally:
+        for fd in open_:
+            os.close(fd)
+    assert got["raised_at"] == steps[min(k + 2, len(steps) - 1)] and got["errno"] == errno.EPIPE, got
+    assert not got["thread_alive"]
