@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from ..engine.device import resolve_device
@@ -21,8 +22,10 @@ from ..engine.shards import Shards
 from ..engine.streamed import build
 from ..errors import HalfsafeError, UnsupportedModelError
 from .builtin import FIXTURE_DIRNAME, cache_dir, gemma3_270m_folder
+from .config_fields import check_fields
+from .paths import input_file
 from .reading import LoadedModel, _first_line, load_gguf, load_tokenizer, load_tokenizer_folder, model_class_for
-from .trust import check_folder, from_pretrained, inside, quiet_transformers
+from .trust import check_folder, from_pretrained, model_file, quiet_transformers
 from .validate import check_config, check_finite, check_loading_info
 
 FIXTURE_NAMES = ("gemma3-270m",)
@@ -41,10 +44,10 @@ def load_model(source: str | os.PathLike, dtype: torch.dtype = torch.float32, st
     if source in FIXTURE_NAMES:
         return _load_folder(gemma3_270m_folder(), dtype, source, stream, device, tok)
     path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype, source, device, tok)
-    if path.is_file():
-        raise HalfsafeError(f"{source} is a file, not a model: give the model's folder (with config.json) or a .gguf file")
+    if path.suffix == ".gguf" and os.path.lexists(path):  # a FIFO or a device named *.gguf is refused, never opened
+        return load_gguf(input_file(path, "the GGUF file", "give the .gguf file itself"), dtype, source, device, tok)
+    if path.exists() and not path.is_dir():
+        raise HalfsafeError(f"{source} is not a folder: give the model's folder (with config.json) or a .gguf file")
     if path.is_dir():
         return _load_folder(path, dtype, source, stream, device, tok)
     if _looks_like_hub_id(source):
@@ -67,17 +70,21 @@ def input_paths(source: str | os.PathLike) -> list[Path]:
 
 def read_config(folder: Path) -> PretrainedConfig:
     """The folder's config; every folder halfsafe loads passes here first, so its trust checks run before transformers."""
-    config_file = folder / "config.json"
-    if not config_file.is_file():
+    check_folder(folder)  # first: nothing is opened before every entry is known to be a file inside the folder
+    config_file = model_file(folder, "config.json")
+    if config_file is None:
         raise HalfsafeError(f"{folder} has no config.json: point at a Hugging Face model folder (config.json + *.safetensors)")
-    check_folder(folder)
-    config_file = inside(folder, "config.json")
     try:
-        json.loads(config_file.read_text())
+        check_fields(config_file, json.loads(config_file.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HalfsafeError(f"{config_file} is not valid JSON ({e.msg if hasattr(e, 'msg') else e}): re-save or re-download it") from None
+    except RecursionError:
+        raise HalfsafeError(f"{config_file} nests too deep to be a config: re-save or re-download it") from None
     try:
         return from_pretrained(AutoConfig, folder, local_files_only=True)
+    except StrictDataclassError as e:  # transformers' typed config refuses a field's value
+        raise HalfsafeError(f"{config_file}: {_first_line(e).removeprefix('Validation error for ').rstrip(':')} holds a "
+                            f"value of the wrong type ({_cause(e)}): fix that field in config.json or re-download it") from None
     except (ValueError, KeyError):
         model_type = json.loads(config_file.read_text()).get("model_type", "?")
         raise UnsupportedModelError(
@@ -86,6 +93,15 @@ def read_config(folder: Path) -> PretrainedConfig:
         ) from None
     except OSError as e:
         raise HalfsafeError(f"could not read {config_file}: {_first_line(e)}") from None
+    except Exception as e:  # transformers' own config code failing on a value no check above names
+        raise HalfsafeError(f"transformers cannot read {config_file} ({_first_line(e)}): fix config.json or re-download "
+                            "it") from None
+
+
+def _cause(e: BaseException) -> str:
+    """What a strict-dataclass validation error says of its field, in one line."""
+    lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:160]
 
 
 def _load_folder(folder: Path, dtype: torch.dtype, source: str, stream: bool = False, device: str = "cpu",

@@ -15,20 +15,24 @@ import os
 from pathlib import Path
 
 from ..errors import HalfsafeError
-from ..model_folder import inside, model_root  # noqa: F401 (the path half, below the engine that reads shards)
+from ..model_folder import inside, model_file, model_root  # noqa: F401 (the path half, below the engine that reads shards)
 
 REMOTE_CODE_KEY = "auto_map"  # what transformers reads to import a folder's own classes
 
 
 def check_folder(folder: Path) -> None:
-    """Refuse, before any transformers call, a folder with a file that resolves outside it or a config file that
-    asks for the folder's own code."""
+    """Refuse, before any transformers call and before any file of it is opened, a folder with a file that resolves
+    outside it, an entry that is neither a file nor a folder (a FIFO named config.json or model.safetensors would block
+    halfsafe's or transformers' read of it forever), or a config file that asks for the folder's own code."""
     folder = Path(folder)
     for dirpath, dirnames, filenames in os.walk(folder):
         for name in dirnames + filenames:
             entry = Path(dirpath) / name
             if entry.is_symlink():
                 inside(folder, entry.relative_to(folder))
+        for name in filenames:  # os.walk lists every entry that is not a folder here: FIFOs, devices, sockets too
+            if os.path.exists(Path(dirpath) / name):  # a dangling link is no file to open
+                model_file(folder, (Path(dirpath) / name).relative_to(folder))
     for config in sorted(folder.glob("*config.json")):
         wants = _remote_code(config)
         if wants:

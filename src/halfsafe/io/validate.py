@@ -33,9 +33,7 @@ def check_config(config, cls, shards, folder: Path) -> None:
     deepest = max((int(i) for k in keys for i in _LAYER_INDEX.findall(k)), default=None)
     if isinstance(layers, int) and deepest is not None and layers > deepest + 1:
         raise _mismatch(folder, f"num_hidden_layers {layers}, but the checkpoint stores layers up to {deepest}")
-    model = _meta_skeleton(config, cls)
-    if model is None:
-        return
+    model = _meta_skeleton(config, cls, folder)
     refuse_missing(missing_weights(model, keys), str(folder))  # a weight transformers would fill in at random
     prefix = getattr(model, "base_model_prefix", "") or ""
     elements = 0
@@ -49,14 +47,19 @@ def check_config(config, cls, shards, folder: Path) -> None:
         raise _mismatch(folder, f"a model of {elements:,} weights, but the checkpoint holds {held:,}")
 
 
-def _meta_skeleton(config, cls):
+def _meta_skeleton(config, cls, folder: Path):
+    """The model `config` describes, without weights (its buffers are real: a size no memory holds fails here). A
+    config transformers cannot build is refused now: every loader after this would fail on it too, some in a
+    traceback from deep inside the model's constructor."""
     from accelerate import init_empty_weights
 
     try:
         with quiet_transformers(), init_empty_weights(include_buffers=False):
             return cls._from_config(config, dtype=torch.float32)
-    except Exception:  # a config transformers cannot build: its own loader says why, later
-        return None
+    except Exception as e:
+        text = str(e).strip().splitlines()
+        raise HalfsafeError(f"{Path(folder) / 'config.json'} describes a model transformers cannot build "
+                            f"({(text[0] if text else type(e).__name__)[:200]}): fix config.json or re-download it") from None
 
 
 def _mismatch(folder: Path, what: str) -> HalfsafeError:
@@ -92,7 +95,9 @@ def missing_weights(model, stored) -> list[str]:
     """The parameters of `model` (a skeleton: meta weights will do) that a checkpoint holding the keys `stored` would
     leave for transformers to initialise at random: each stored key renamed as transformers' loader renames it (its
     weight conversions, the base model prefix added or dropped), then what transformers legitimately leaves unloaded
-    set aside (`needed`). Empty for a complete checkpoint."""
+    set aside (`needed`). A weight transformers merges from several stored tensors (one per expert) is named by the
+    stored tensors it lacks (`model.layers.0.mlp.experts.1.up_proj.weight`), as the checkpoint's files would name
+    them. Empty for a complete checkpoint."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key, revert_weight_conversion
 
@@ -110,11 +115,16 @@ def missing_weights(model, stored) -> list[str]:
         if pattern is not None:
             merged.add(renamed)
     stored = set(stored)
+    parts_of = {}
     for name in merged:  # made of several stored tensors (one per expert): all of them, or it is incomplete
-        parts = set(revert_weight_conversion(model, {name: expected[name]}))
-        if parts & stored and parts - stored:
+        parts_of[name] = set(revert_weight_conversion(model, {name: expected[name]}))
+        if parts_of[name] - stored:
             missing.add(name)
-    return needed(model, missing)
+    out = []
+    for name in needed(model, missing):  # a merged weight is named by the stored tensors it lacks, as the files name them
+        parts = parts_of.get(name) or set(revert_weight_conversion(model, {name: expected[name]}))
+        out += sorted(parts - stored) if len(parts) > 1 else [name]
+    return out
 
 
 def needed(model, missing) -> list[str]:
