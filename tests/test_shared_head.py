@@ -100,3 +100,86 @@ def test_only_a_wide_plain_head_of_a_streamed_model_is_shared(wide_head, tmp_pat
     save_tiny("llama", tmp_path / "whole")
     whole = load_model(str(tmp_path / "whole"), stream=False, device="cpu").model
     assert SharedHead.of(whole, samples) is None
+
+
+def _per_lane_head_stats(model, samples, monkeypatch) -> dict:
+    """`scan.collect` on `samples`, shared head and all, with each record at the head's sites also kept under the lane
+    it was recorded as (the collector merges lanes; what a lane is, is the sample it claims the values for)."""
+    from collections import defaultdict
+
+    from halfsafe.core.lanes import lane
+    from halfsafe.core.stats import ActivationCollector, SiteStats
+
+    module = SharedHead.of(model, samples).module
+    heads = {f"{module}:in", f"{module}:out"}
+    lanes: dict = defaultdict(dict)
+    real = ActivationCollector.record
+
+    def record(self, site, mod, t):
+        if site in heads:
+            stats = lanes[lane()].setdefault(site, SiteStats(site, type(mod).__name__))
+            stats.update(t)
+        return real(self, site, mod, t)
+
+    with monkeypatch.context() as m:
+        m.setattr(ActivationCollector, "record", record)
+        _collect(model, samples, True, monkeypatch)
+    return dict(lanes)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_each_samples_head_output_is_recorded_as_its_own_lane(wide_head, monkeypatch, kind):
+    """The shared head multiplies every sample's hidden state by each slice of rows: every product must be recorded
+    as the lane of the sample it came from. Samples of different lengths and contents (each with its own peak and
+    count at the head): each lane's statistics at the head's sites are those of that sample scanned alone, which
+    calls its own head."""
+    model = wide_head(kind)
+    samples = [tiny_ids(model, n, seed=i) for i, n in enumerate((40, 23, 57))]
+    module = SharedHead.of(model, samples).module
+    reads = _head_reads(monkeypatch, model)
+    alone = [_collect(model, [ids], True, monkeypatch) for ids in samples]  # one sample: no shared head
+    vocab = model.get_output_embeddings().out_features
+    assert len(reads) == sum(-(-ids.shape[-1] // 16) for ids in samples) * -(-vocab // 32)  # each called its own
+    reads.clear()
+    lanes = _per_lane_head_stats(model, samples, monkeypatch)
+    assert len(reads) == -(-vocab // 32), "the head was not shared"
+    assert sorted(lanes) == list(range(len(samples))), f"head values recorded as lanes {sorted(lanes)}"
+    out = f"{module}:out"
+    peaks = [a[out].abs_max for a in alone]
+    assert len(set(peaks)) == len(samples) and len({a[out].numel for a in alone}) == len(samples), \
+        "the samples must differ at the head for a swap to show"
+    for i, a in enumerate(alone):
+        got = lanes[i]
+        assert all(getattr(got[out], f) == getattr(a[out], f) for f in EXACT), (i, got[out], a[out])
+        assert got[f"{module}:in"].to_dict() == a[f"{module}:in"].to_dict(), i  # the chunks its own head was called on
+
+
+def test_a_sample_is_the_lane_that_computed_when_it_handed_its_hidden_state_over(wide_head):
+    """`take` keeps the lane computing now, whatever the order the samples hand over in: each lane's products at
+    the head's sites are its own hidden state's, in and out."""
+    from collections import defaultdict
+
+    import torch.nn.functional as F
+
+    from halfsafe.core.lanes import lane, set_lane
+
+    model = wide_head("llama")
+    recorded = defaultdict(list)
+    shared = SharedHead.of(model, [torch.zeros(1, 2), torch.zeros(1, 2)],
+                           lambda site, module, t: recorded[lane(), site.rpartition(":")[2]].append(t.clone()))
+    width = model.get_output_embeddings().in_features
+    g = torch.Generator().manual_seed(0)
+    hidden = {i: torch.randn(1, n, width, generator=g) * (i + 1) for i, n in ((0, 20), (1, 7), (2, 33))}
+    try:
+        for i in (2, 0, 1):  # handed over out of lane order
+            set_lane(i)
+            shared.take(hidden[i])
+    finally:
+        set_lane(None)
+    shared.run()
+    weight = streamed_of(model).original(shared.param)
+    assert {k[0] for k in recorded} == set(hidden)
+    for i, h in hidden.items():
+        assert torch.equal(torch.cat(recorded[i, "in"], dim=1), h), i
+        out = torch.cat(recorded[i, "out"], dim=-1)
+        assert out.shape == (1, h.shape[1], weight.shape[0]) and torch.allclose(out, F.linear(h, weight), rtol=1e-5, atol=1e-5), i
