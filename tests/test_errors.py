@@ -7,7 +7,6 @@ import math
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -129,10 +128,8 @@ def test_a_non_finite_weight_is_a_corrupt_checkpoint(model, tmp_path, capsys, no
 def test_a_config_that_disagrees_with_the_weights_is_refused_fast(model, capsys, no_slow_part, field, value, says):
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, field: value}))
-    for extra in ([], ["--whole"]):
-        start = time.perf_counter()
+    for extra in ([], ["--whole"]):  # fast: refused before the slow part (no_slow_part), not timed
         refused(capsys, ["scan", str(model), *extra, *SHORT], "does not match the weights", says)
-        assert time.perf_counter() - start < 10
 
 
 def test_a_shard_larger_than_this_machine_can_map_is_refused(model, capsys):

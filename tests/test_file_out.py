@@ -16,6 +16,7 @@ from halfsafe.engine import file_out
 from halfsafe.engine.file_out import ALIGN, FileOut
 
 BLOCK = 2 * ALIGN  # small blocks: every test crosses several
+HANG = 300  # seconds: a deadlock guard, never a measure of speed
 
 
 def _parts(seed: int = 0) -> list[bytes]:
@@ -64,13 +65,15 @@ def test_the_callers_buffer_is_free_once_write_returns(tmp_path):
 
 
 def test_a_block_is_written_while_the_caller_fills_the_next(tmp_path, monkeypatch):
-    """The thread's write of block 1 is held until the caller has staged all of block 2: the caller never waited."""
+    """The thread's write of block 1 is held until the caller has staged all of block 2: the caller never waited.
+    HANG bounds the waits only so that a FileOut whose caller waits for the thread fails instead of hanging: no
+    machine, however loaded, takes that long to copy one block."""
     started, release = threading.Event(), threading.Event()
     real = os.write
 
     def slow_write(fd, data):
         started.set()
-        assert release.wait(10), "the caller did not get on while the block was being written"
+        assert release.wait(HANG), "the caller did not get on while the block was being written"
         return real(fd, data)
 
     monkeypatch.setattr(file_out.os, "write", slow_write)
@@ -78,7 +81,7 @@ def test_a_block_is_written_while_the_caller_fills_the_next(tmp_path, monkeypatc
     first, second = os.urandom(BLOCK), os.urandom(BLOCK - 1)
     with FileOut(path, block=BLOCK) as f:
         f.write(first)  # full: handed to the thread
-        assert started.wait(10)
+        assert started.wait(HANG)
         f.write(second)  # staged in the other block while the thread is still inside the first one's write
         release.set()
     assert path.read_bytes() == first + second

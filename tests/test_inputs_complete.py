@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import string
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -234,14 +233,14 @@ def test_the_fixture_build_refuses_a_gguf_that_lacks_a_tensor(tmp_path, capsys, 
 
 @pytest.mark.parametrize("claims", [100000, 3, 1])
 def test_a_gguf_whose_block_count_its_tensors_do_not_hold_is_refused_from_its_header(tmp_path, capsys, monkeypatch, claims):
-    """Refused before transformers reads anything of it (no config, no model built): in a moment, not minutes."""
+    """Refused before transformers reads anything of it (no config, no model built): in a moment, not minutes (held
+    by what it never calls, not by a clock)."""
     path = write_gguf(tmp_path / "tiny.gguf", block_count=claims)
     reads = []
     monkeypatch.setattr(reading, "from_pretrained", lambda *a, **k: reads.append(a))
-    start = time.perf_counter()
     refused(capsys, ["convert", str(path), str(tmp_path / "out"), *SHORT], f"claims {claims} layers", "llama.block_count",
             "layers 0 .. 1")
-    assert time.perf_counter() - start < 5 and not reads and not (tmp_path / "out").exists()
+    assert not reads and not (tmp_path / "out").exists()
 
 
 def test_a_gguf_lacking_a_whole_layer_is_refused_from_its_header(tmp_path, capsys, monkeypatch):
