@@ -4,9 +4,14 @@ line and the Python API build the same request for the same options; every defau
 from __future__ import annotations
 
 import ast
+import math
+from os import PathLike
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import halfsafe.io.loading
 from halfsafe import cli, convert
@@ -185,7 +190,7 @@ def test_scan_and_export_cli_requests_hold_profiles():
 
 
 def test_a_request_holds_a_profile_never_a_name():
-    with pytest.raises(TypeError, match="RuntimeProfile"):
+    with pytest.raises(HalfsafeError, match="RuntimeProfile"):
         rq.Fp16Options(runtime="all-fp16")
     assert rq.Fp16Options.checked("all-fp16").runtime is PROFILES["all-fp16"]
     assert rq.Fp16Options.checked(None).runtime is PROFILES["torch"] is rq.Fp16Options().runtime
@@ -194,7 +199,7 @@ def test_a_request_holds_a_profile_never_a_name():
 
 def test_requests_import_no_torch():
     """The parser reads its defaults from the requests: they (and the profiles they hold) import nothing heavy."""
-    allowed = {"__future__", "dataclasses", "math", "os", "typing", "errors", "runtime.profiles", "engine.choices"}
+    allowed = {"__future__", "dataclasses", "math", "numbers", "os", "typing", "errors", "runtime.profiles", "engine.choices"}
     files = [*REQUESTS.glob("*.py"), REQUESTS.parent / "runtime" / "profiles.py", REQUESTS.parent / "engine" / "choices.py"]
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -204,3 +209,143 @@ def test_requests_import_no_torch():
                     (node.level == 2 and name in allowed), (path.name, name)
             elif isinstance(node, ast.Import):
                 assert all(a.name in allowed for a in node.names), (path.name, [a.name for a in node.names])
+
+
+# --- every field of every request, built directly in Python: a value of the wrong type or range is refused in one
+# line (HalfsafeError, never a TypeError, ValueError or AttributeError from inside), a right one is accepted --------
+
+def _count(least, optional=False):
+    return lambda v: (optional and v is None) or (type(v) is int and v >= least)
+
+
+def _number(ok, optional=False):
+    return lambda v: (optional and v is None) or (type(v) in (int, float) and ok(v))
+
+
+def _choice(choices, optional=False):
+    return lambda v: (optional and v is None) or (isinstance(v, str) and v in choices)
+
+
+def _path(optional=False):
+    return lambda v: (optional and v is None) or isinstance(v, (str, PathLike))
+
+
+def _names(v):
+    return v is None or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v))
+
+
+def _flag(v):
+    return type(v) is bool
+
+
+def _of(kind):
+    return lambda v: isinstance(v, kind)
+
+
+def _device(v):
+    return isinstance(v, (str, torch.device))
+
+
+BITS = _number(lambda v: 0 <= v < 16)
+TORCH_PROFILE = PROFILES["torch"]
+# request type -> (how one is built with `field` set to `value`, {field: (accepted?, right values worth trying)})
+REQUEST_FIELDS = {
+    "TextOptions": (lambda **f: rq.TextOptions(**f), {
+        "texts": (_names, [["a", "b"], ("x",), []]), "seq_len": (_count(2), [2, 512]),
+        "max_samples": (_count(0, True), [0, 8, None]), "tokenizer": (_path(True), ["tok", None])}),
+    "EngineOptions": (lambda **f: rq.EngineOptions(**f), {"stream": (_flag, []), "device": (_device, ["cpu", "auto", torch.device("cpu")])}),
+    "Fp16Options": (lambda **f: rq.Fp16Options(**f), {
+        "runtime": (_of(RuntimeProfile), [TORCH_PROFILE]), "fp16_arith": (_choice(rq.FP16_ARITHS, True), list(rq.FP16_ARITHS))}),
+    "MarginOptions": (lambda **f: rq.MarginOptions(**f), {
+        "max_context": (_count(1, True), [1, 4096]), "headroom_bits": (_number(lambda v: 0 <= v < 16, True), [0, 2.5, 15.99])}),
+    "PlanOptions": (lambda **f: rq.PlanOptions(**f), {
+        "margin": (_of(rq.MarginOptions), [rq.MarginOptions()]), "allow_unfixable": (_flag, []),
+        "candidates": (_count(1), [1, 3]), "fp16": (_of(rq.Fp16Options), [rq.Fp16Options()]),
+        "calib_arith": (_choice(rq.CALIB_ARITHS, True), list(rq.CALIB_ARITHS))}),
+    "ConvertRequest": (lambda **f: rq.ConvertRequest(**{"source": "m", "out": "o", **f}), {
+        "source": (_path(), ["m"]), "out": (_path(), ["o"]), "text": (_of(rq.TextOptions), [rq.CONVERT_TEXT]),
+        "plan": (_of(rq.PlanOptions), [rq.PlanOptions()]), "long_sample": (_count(2, True), [2, 4096]),
+        "overwrite": (_flag, []), "progress": (_flag, []), "engine": (_of(rq.EngineOptions), [rq.EngineOptions()]),
+        "max_shard_size": (lambda v: type(v) in (int, str), ["5GB", 1000]),  # its size: io.checkpoint.shard_size
+        "to": (_choice(rq.TARGETS, True), list(rq.TARGETS))}),
+    "ApplyRequest": (lambda **f: rq.ApplyRequest(**{"plan_path": "p", "source": "m", "out": "o", **f}), {
+        "plan_path": (_path(), ["p"]), "source": (_path(), ["m"]), "out": (_path(), ["o"]),
+        "text": (_of(rq.TextOptions), [rq.APPLY_TEXT]), "overwrite": (_flag, []), "progress": (_flag, []),
+        "engine": (_of(rq.EngineOptions), [rq.EngineOptions()])}),
+    "ExportRequest": (lambda **f: rq.ExportRequest(**{"converted": "c", "out": "o", **f}), {
+        "converted": (_path(), ["c"]), "out": (_path(), ["o"]), "format": (_choice(rq.FORMATS), list(rq.FORMATS)),
+        "overwrite": (_flag, []), "scan": (_flag, []), "runtime": (_of(RuntimeProfile), [TORCH_PROFILE])}),
+    "FinetuneConfig": (lambda **f: rq.FinetuneRequest("m", "o", config=rq.FinetuneConfig(**f)), {
+        "steps": (_count(1), [1, 500]), "threshold": (_number(lambda v: 0 < v <= 65504), [65504, 1e-3, 16384.0]),
+        "margin_bits": (BITS, [0, 0.25]), "lr": (_number(lambda v: 0 < v < math.inf), [3e-2, 1]),
+        "penalty_weight": (_number(lambda v: v > 0), [1.0, math.inf]), "polish_steps": (_count(0), [0, 50]),
+        "train": (_choice(rq.TRAIN_MODES), list(rq.TRAIN_MODES)), "save_every": (_count(1), [1, 10]),
+        "seed": (lambda v: type(v) is int, [0, -1, 2**40]), "headroom_bits": (BITS, [0, 2.0])}),
+    "FinetuneRequest": (lambda **f: rq.FinetuneRequest(**{"source": "m", "out": "o", **f}), {
+        "source": (_path(), ["m"]), "out": (_path(), ["o"]), "text": (_of(rq.TextOptions), [rq.FINETUNE_TEXT]),
+        "config": (_of(rq.FinetuneConfig), [rq.FinetuneConfig()]), "overwrite": (_flag, []), "restart": (_flag, []),
+        "resume_from": (_path(True), ["state.pt", None]), "save_unconverged": (_flag, []), "progress": (_flag, []),
+        "device": (_device, ["cpu"])}),
+    "ScanOptions": (lambda **f: rq.ScanOptions(**f), {
+        "fp16_check": (_flag, []), "fp16": (_of(rq.Fp16Options), [rq.Fp16Options()]),
+        "calib_arith": (_choice(rq.CALIB_ARITHS, True), list(rq.CALIB_ARITHS))}),
+    "ScanRequest": (lambda **f: rq.ScanRequest(**f), {
+        "model": (_path(), ["gemma3-270m"]), "text": (_of(rq.TextOptions), [rq.SCAN_TEXT]),
+        "options": (_of(rq.ScanOptions), [rq.ScanOptions()]), "engine": (_of(rq.EngineOptions), [rq.EngineOptions()]),
+        "progress": (_flag, [])}),
+    "VerifyRequest": (lambda **f: rq.VerifyRequest(**{"model": "m", **f}), {  # model, converted, tokenizer: anything
+        "text": (_of(rq.TextOptions), [rq.VERIFY_TEXT]), "text_names": (_names, [["a"], None]),
+        "greedy_tokens": (_count(0), [0, 32]), "prompt_tokens": (_count(1), [1, 16]), "variants": (_names, [["fp16"], None]),
+        "engine": (_of(rq.EngineOptions), [rq.EngineOptions()]), "fp16": (_of(rq.Fp16Options), [rq.Fp16Options()]),
+        "progress": (lambda v: v is None or callable(v), [print, None])}),
+}
+# values of every kind: most are wrong for any one field, each is either refused in one line or accepted
+ANY_VALUE = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 10), st.integers(), st.floats(), st.text(max_size=6), st.binary(max_size=3),
+    st.lists(st.one_of(st.text(max_size=3), st.integers()), max_size=3), st.tuples(st.integers()),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2), st.builds(Path, st.text("ab", min_size=1, max_size=3)),
+    st.sampled_from([object(), "onnx\n", "-1", "10", 1.0, 2.5, -1, 0, True, False, math.nan, math.inf, [1], ("a", 1), len,
+                     TORCH_PROFILE, "torch", rq.TextOptions(), rq.MarginOptions(), rq.Fp16Options(), rq.EngineOptions(),
+                     rq.PlanOptions(), rq.ScanOptions(), rq.FinetuneConfig(), *rq.CALIB_ARITHS, *rq.TRAIN_MODES]))
+
+
+@pytest.mark.parametrize("kind, name", [(k, n) for k, (_, fields) in REQUEST_FIELDS.items() for n in fields])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_request_built_in_python_refuses_a_wrong_value_of_any_field_in_one_line(kind, name, data):
+    build, fields = REQUEST_FIELDS[kind]
+    accepted, right = fields[name]
+    value = data.draw(st.one_of(ANY_VALUE, *([st.sampled_from(right)] if right else [])), label=name)
+    if accepted(value):
+        build(**{name: value})  # no error
+        return
+    with pytest.raises(HalfsafeError) as e:
+        build(**{name: value})
+    assert "\n" not in str(e.value), str(e.value)
+
+
+def test_every_field_of_every_request_is_tried():
+    """A field added to a request without a line in REQUEST_FIELDS fails here (model, converted and tokenizer of
+    verify take models and tokenizers as well as names: anything)."""
+    from dataclasses import fields
+
+    for kind, (_, tried) in REQUEST_FIELDS.items():
+        cls = getattr(rq, kind)
+        untried = {f.name for f in fields(cls)} - set(tried) - ({"model", "converted", "tokenizer"} if kind == "VerifyRequest" else set())
+        assert not untried, (kind, untried)
+    requests = {n for n in rq.__all__ if isinstance(getattr(rq, n), type) and hasattr(getattr(rq, n), "__dataclass_fields__")}
+    assert requests == set(REQUEST_FIELDS)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, False, 2.5, "10", None, [10]])
+def test_save_every_built_directly_is_refused_in_one_line(value):
+    with pytest.raises(HalfsafeError, match="^--save-every ") as e:
+        rq.FinetuneRequest("m", "o", config=rq.FinetuneConfig(save_every=value))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["gguf", "ONNX", ["onnx"], ("onnx",), True, 1, b"onnx"])
+def test_to_built_directly_is_refused_in_one_line(value):
+    with pytest.raises(HalfsafeError, match="^--to ") as e:
+        rq.ConvertRequest("m", "o", to=value)
+    assert "\n" not in str(e.value)

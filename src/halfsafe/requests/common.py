@@ -4,6 +4,8 @@ these defaults to build its parser."""
 
 from __future__ import annotations
 
+import numbers
+import os
 from dataclasses import dataclass
 
 from ..engine.choices import (  # noqa: F401  (the engine's option names, defaults and checks; re-exported)
@@ -20,11 +22,54 @@ from ..engine.choices import (  # noqa: F401  (the engine's option names, defaul
     check_calib_arith,
     check_fp16_arith,
 )
+from ..errors import HalfsafeError
 from ..runtime.profiles import DEFAULT as DEFAULT_RUNTIME
 from ..runtime.profiles import PROFILES, RuntimeProfile, get_profile
 
 DEFAULT_MODEL = "gemma3-270m"  # the built-in model: scan's default MODEL, the demo's
 TORCH = PROFILES[DEFAULT_RUNTIME]
+
+
+# The checks every request runs on its fields, built from the command line or directly in Python: a value of the wrong
+# type is a one-line error naming the option, never a TypeError from deep inside the run (a bool is not a number).
+def whole(flag: str, value, least: int | None = None, optional: bool = False) -> None:
+    """`value` is an integer (None where `optional`), at least `least` where given."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise HalfsafeError(f"{flag} {value!r:.60} is not a whole number: pass e.g. {flag} {max(least or 0, 1)}")
+    if least is not None and value < least:
+        raise HalfsafeError(f"{flag} {value!r} must be at least {least}")
+
+
+def real(flag: str, value, optional: bool = False) -> None:
+    """`value` is a number (None where `optional`); its range is the caller's to check."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise HalfsafeError(f"{flag} {value!r:.60} is not a number")
+
+
+def switch(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise HalfsafeError(f"{name}={value!r:.60}: pass True or False")
+
+
+def path(name: str, value, optional: bool = False) -> None:
+    """A folder or file named by a string or a path (None where `optional`)."""
+    if not (value is None and optional) and (isinstance(value, bool) or not isinstance(value, (str, os.PathLike))):
+        raise HalfsafeError(f"{name} {value!r:.60} is not a path: pass a folder as a string or a pathlib.Path")
+
+
+def device(value) -> None:
+    """A --device name, or a torch.device (engine.device resolves either where the model loads)."""
+    if not (isinstance(value, str) or (type(value).__module__, type(value).__name__) == ("torch", "device")):
+        raise HalfsafeError(f"--device {value!r:.60}: pass auto, cpu, cuda or cuda:N")
+
+
+def instance(name: str, value, kind: type, hint: str = "") -> None:
+    if not isinstance(value, kind):
+        raise HalfsafeError(f"{name} is a {kind.__name__}, not {type(value).__name__}{hint}")
 
 
 def runtime_profile(runtime: str | RuntimeProfile | None) -> RuntimeProfile:
@@ -44,8 +89,16 @@ class TextOptions:
     tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        if self.texts is not None and not isinstance(self.texts, tuple):
+        if self.texts is not None:
+            if isinstance(self.texts, (str, bytes)) or not isinstance(self.texts, (list, tuple)) or \
+                    not all(isinstance(t, str) or callable(getattr(t, "blank", None)) for t in self.texts):
+                raise HalfsafeError(f"texts {self.texts!r:.60}: pass a list of strings (or read_texts' files)")
             object.__setattr__(self, "texts", tuple(self.texts))  # a list given is kept as it was, unchangeable
+        whole("--seq-len", self.seq_len)
+        if self.seq_len < 2:
+            raise HalfsafeError(f"--seq-len {self.seq_len} is too short: use at least 2")
+        whole("--max-samples", self.max_samples, 0, optional=True)
+        path("--tokenizer", self.tokenizer, optional=True)
 
     @property
     def text_list(self) -> list | None:
@@ -61,6 +114,10 @@ class EngineOptions:
     stream: bool = True
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        switch("stream", self.stream)
+        device(self.device)
+
 
 @dataclass(frozen=True)
 class Fp16Options:
@@ -71,8 +128,7 @@ class Fp16Options:
     fp16_arith: str = DEFAULT_FP16_ARITH  # None given: the default
 
     def __post_init__(self) -> None:
-        if not isinstance(self.runtime, RuntimeProfile):
-            raise TypeError(f"runtime is a RuntimeProfile, not {type(self.runtime).__name__}: use Fp16Options.checked")
+        instance("runtime", self.runtime, RuntimeProfile, ": use Fp16Options.checked")
         object.__setattr__(self, "fp16_arith", check_fp16_arith(self.fp16_arith))
 
     @classmethod

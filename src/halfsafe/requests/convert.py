@@ -7,7 +7,18 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import HalfsafeError
 from ..runtime.profiles import RuntimeProfile
-from .common import DEFAULT_CALIB_ARITH, DEFAULT_MAX_SHARD_SIZE, EngineOptions, Fp16Options, TextOptions, check_calib_arith
+from .common import (
+    DEFAULT_CALIB_ARITH,
+    DEFAULT_MAX_SHARD_SIZE,
+    EngineOptions,
+    Fp16Options,
+    TextOptions,
+    check_calib_arith,
+    instance,
+    path,
+    switch,
+    whole,
+)
 from .margin import MarginOptions
 
 CONVERT_TEXT = TextOptions(seq_len=512, max_samples=8)
@@ -30,6 +41,10 @@ class PlanOptions:
     calib_arith: str | None = DEFAULT_CALIB_ARITH  # None: the default (__post_init__ checks and fills it)
 
     def __post_init__(self) -> None:
+        instance("margin", self.margin, MarginOptions)
+        switch("allow_unfixable", self.allow_unfixable)
+        whole("candidates", self.candidates, 1)
+        instance("fp16", self.fp16, Fp16Options, ": use PlanOptions.checked")
         object.__setattr__(self, "calib_arith", check_calib_arith(self.calib_arith))
 
     @property
@@ -62,10 +77,15 @@ class ConvertRequest:
     to: str | None = None  # "onnx": also an fp16 ONNX model inside OUT
 
     def __post_init__(self) -> None:
+        _common(self, ("source", "out"))
+        instance("plan", self.plan, PlanOptions)
+        whole("--long-sample", self.long_sample, optional=True)
         if self.long_sample is not None and self.long_sample < 2:
             raise HalfsafeError(f"--long-sample {self.long_sample} is too short: use at least 2 tokens")
-        if self.to is not None and self.to not in TARGETS:
-            raise HalfsafeError(f"--to {self.to!r}: choose one of {', '.join(TARGETS)}")
+        if isinstance(self.max_shard_size, bool) or not isinstance(self.max_shard_size, (int, str)):
+            raise HalfsafeError(f"--max-shard-size {self.max_shard_size!r:.60} is not a size: give e.g. 5GB, 500MB or a number of bytes")
+        if self.to is not None and not (isinstance(self.to, str) and self.to in TARGETS):
+            raise HalfsafeError(f"--to {self.to!r:.60}: choose one of {', '.join(TARGETS)}")
 
     @property
     def export_runtime(self) -> RuntimeProfile:
@@ -97,3 +117,16 @@ class ApplyRequest:
     overwrite: bool = False
     progress: bool = True
     engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        _common(self, ("plan_path", "source", "out"))
+
+
+def _common(request, paths: tuple[str, ...]) -> None:
+    """The fields convert and apply share: their paths, text, switches and engine."""
+    for name in paths:
+        path(name, getattr(request, name))
+    instance("text", request.text, TextOptions)
+    switch("overwrite", request.overwrite)
+    switch("progress", request.progress)
+    instance("engine", request.engine, EngineOptions)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import HalfsafeError
 from ..runtime.profiles import RuntimeProfile
-from .common import TORCH
+from .common import TORCH, instance, path, switch
 
 FORMATS = ("onnx",)
 
@@ -22,5 +22,10 @@ class ExportRequest:
     runtime: RuntimeProfile = TORCH  # the graph's norms prescaled, its products split, as the profile needs
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise HalfsafeError(f"export format {self.format!r}: choose one of {', '.join(FORMATS)}")
+        path("converted", self.converted)
+        path("out", self.out)
+        if not (isinstance(self.format, str) and self.format in FORMATS):
+            raise HalfsafeError(f"export format {self.format!r:.60}: choose one of {', '.join(FORMATS)}")
+        switch("overwrite", self.overwrite)
+        switch("scan", self.scan)
+        instance("runtime", self.runtime, RuntimeProfile, ": pass halfsafe.requests.runtime_profile(name)")

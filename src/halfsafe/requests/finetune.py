@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import HalfsafeError
-from .common import TextOptions
+from .common import TextOptions, device, instance, path, real, switch, whole
 from .convert import PlanOptions
 from .margin import MarginOptions
 
@@ -40,7 +40,11 @@ class FinetuneConfig:
         return self.target * 2.0 ** -HINGE_BITS_UNDER_TARGET
 
     def check(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 1:
+        for flag in ("steps", "polish_steps", "save_every", "seed"):
+            whole("--" + flag.replace("_", "-"), getattr(self, flag))
+        for flag in ("threshold", "margin_bits", "lr", "penalty_weight", "headroom_bits"):
+            real("--" + flag.replace("_", "-"), getattr(self, flag))
+        if self.steps < 1:
             raise HalfsafeError(f"--steps {self.steps} is not a positive number of steps: use e.g. --steps 200")
         if not (0 < self.threshold <= FP16_MAX):
             raise HalfsafeError(f"--threshold {self.threshold:g} must lie in (0, 65504]: activations must end below float16's maximum")
@@ -50,9 +54,9 @@ class FinetuneConfig:
             raise HalfsafeError(f"--lr {self.lr:g} must be a positive number (a relative step, e.g. 0.01)")
         if not (self.penalty_weight > 0):
             raise HalfsafeError(f"--penalty-weight {self.penalty_weight:g} must be positive")
-        if self.train not in TRAIN_MODES:
-            raise HalfsafeError(f"--train {self.train!r}: choose one of {', '.join(TRAIN_MODES)}")
-        if not isinstance(self.polish_steps, int) or self.polish_steps < 0:
+        if not (isinstance(self.train, str) and self.train in TRAIN_MODES):
+            raise HalfsafeError(f"--train {self.train!r:.60}: choose one of {', '.join(TRAIN_MODES)}")
+        if self.polish_steps < 0:
             raise HalfsafeError(f"--polish-steps {self.polish_steps} must be 0 or more")
         if self.save_every < 1:
             raise HalfsafeError(f"--save-every {self.save_every} must be at least 1")
@@ -75,6 +79,14 @@ class FinetuneRequest:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        path("source", self.source)
+        path("out", self.out)
+        instance("text", self.text, TextOptions)
+        instance("config", self.config, FinetuneConfig)
+        for name in ("overwrite", "restart", "save_unconverged", "progress"):
+            switch(name, getattr(self, name))
+        path("--resume-from", self.resume_from, optional=True)
+        device(self.device)
         self.config.check()
         MarginOptions(headroom_bits=self.config.headroom_bits)  # the exact rescale's margin, checked with the rest
         if self.restart and self.resume_from:

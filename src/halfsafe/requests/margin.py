@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import HalfsafeError
+from .common import real, whole
 
 MAX_HEADROOM_BITS = 16  # float16's exponents span 2^-14 .. 2^15: a margin of 16 bits leaves nothing
 
@@ -16,6 +17,8 @@ class MarginOptions:
     headroom_bits: float | None = None  # None: the margin for max_context
 
     def __post_init__(self) -> None:
+        whole("--max-context", self.max_context, optional=True)
+        real("--headroom-bits", self.headroom_bits, optional=True)
         if self.max_context is not None and self.max_context < 1:
             raise HalfsafeError(f"--max-context {self.max_context} is not a context length: pass a positive number of tokens")
         if self.headroom_bits is not None and not 0 <= self.headroom_bits < MAX_HEADROOM_BITS:

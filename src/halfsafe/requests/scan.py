@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..runtime.profiles import RuntimeProfile
-from .common import DEFAULT_MODEL, FLOAT32, EngineOptions, Fp16Options, TextOptions, check_calib_arith
+from .common import DEFAULT_MODEL, FLOAT32, EngineOptions, Fp16Options, TextOptions, check_calib_arith, instance, path, switch
 
 SCAN_TEXT = TextOptions(seq_len=512, max_samples=8)
 TOP = 12  # rows in the tightest-tensors table
@@ -24,6 +24,8 @@ class ScanOptions:
     calib_arith: str = FLOAT32
 
     def __post_init__(self) -> None:
+        switch("fp16_check", self.fp16_check)
+        instance("fp16", self.fp16, Fp16Options, ": use ScanOptions.checked")
         object.__setattr__(self, "calib_arith", check_calib_arith(self.calib_arith))
 
     @property
@@ -45,3 +47,10 @@ class ScanRequest:
     options: ScanOptions = field(default_factory=ScanOptions)
     engine: EngineOptions = field(default_factory=EngineOptions)
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        path("model", self.model)
+        instance("text", self.text, TextOptions)
+        instance("options", self.options, ScanOptions)
+        instance("engine", self.engine, EngineOptions)
+        switch("progress", self.progress)

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..errors import HalfsafeError
 from ..runtime.profiles import RuntimeProfile
-from .common import EngineOptions, Fp16Options, TextOptions
+from .common import EngineOptions, Fp16Options, TextOptions, instance, whole
 
 VERIFY_TEXT = TextOptions(seq_len=512, max_samples=2)  # held-out text: the embedded one unless texts are given
 GREEDY_TOKENS = 32  # tokens generated greedily from the start of each text (0: none)
@@ -35,8 +35,18 @@ class VerifyRequest:
     def __post_init__(self) -> None:
         for name in ("text_names", "variants"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, tuple):
+            if value is not None:
+                if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or \
+                        not all(isinstance(v, str) for v in value):
+                    raise HalfsafeError(f"{name} {value!r:.60}: pass a list of names")
                 object.__setattr__(self, name, tuple(value))
+        instance("text", self.text, TextOptions)
+        whole("--greedy-tokens", self.greedy_tokens, 0)
+        whole("prompt_tokens", self.prompt_tokens, 1)
+        instance("engine", self.engine, EngineOptions)
+        instance("fp16", self.fp16, Fp16Options, ": use Fp16Options.checked")
+        if self.progress is not None and not callable(self.progress):
+            raise HalfsafeError(f"progress {self.progress!r:.60}: pass a function of one string, or None")
         if self.text.texts is not None and self.text_names is not None and len(self.text_names) != len(self.text.texts):
             raise HalfsafeError("give one name per text")
 
