@@ -26,6 +26,7 @@ from torch import nn
 from ..core.forward import head_chunk
 from ..core.lanes import lane, set_lane
 from ..core.sites import Site
+from ..progress import worked
 from .shards import row_spans
 from .streamed import Streamed, streamed_of
 
@@ -86,6 +87,7 @@ class SharedHead:
                         set_lane(i)
                         self.record(site_out, self.head, part.view(*lead, stop - start))
                     del part
+                    worked(self.head, (stop - start) / n)  # this sample's share of the head, for the phase's ETA
                 del rows
         finally:
             set_lane(None)

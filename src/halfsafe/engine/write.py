@@ -104,7 +104,9 @@ def write_weights(streamed: Streamed, folder: Path, max_shard_size: int | str = 
     streamed.dtype, streamed.device = dtype, torch.device("cpu")
     streamed.clear_cache()
     try:
-        with phase("write", total=len(layout), unit="tensors", quiet=not progress) as bar:
+        # each tensor weighs its bytes (Gemma 3 270M's embedding is 62% of them)
+        cost = sum(t.numel() * t.element_size() for t in layout.values())
+        with phase("write", total=len(layout), unit="tensors", quiet=not progress, cost=cost) as bar:
             for filename, names in split.filename_to_tensors.items():
                 _write_file(folder / filename, {n: layout[n] for n in names}, lambda n: _value(streamed, params, buffers, name_of[n], dtype, bad),
                             bar.advance)
@@ -164,6 +166,6 @@ def _write_file(path: Path, layout: dict[str, torch.Tensor], value, advance) -> 
                     f.write(t.view(-1).view(torch.uint8).numpy().data)  # copied into the file's staging block
             if rows != (shape[0] if shape else 1):
                 raise HalfsafeError(f"internal error: {rows} rows written for {n}, expected {shape}")
-            advance()
+            advance(1, layout[n].numel() * layout[n].element_size())
         digest = f.close()
     remember(path, digest)
