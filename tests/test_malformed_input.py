@@ -71,21 +71,27 @@ def no_slow_part(monkeypatch):
 
 # ----- config.json --------------------------------------------------------------------------------------------------
 
-CONFIG_CASES = {  # name -> (what replaces config.json's value or a field's, what the line says)
+CONFIG_CASES = {  # name -> (the field replaced, None: the whole file; the value put there; what the line says)
     "a JSON list": (None, [1, 2], "holds a list, not a JSON object"),
     "a JSON string": (None, "llama", "holds a string, not a JSON object"),
     "a JSON number": (None, 3, "holds a number, not a JSON object"),
     "JSON null": (None, None, "holds null, not a JSON object"),
-    "quoted layers": ("num_hidden_layers", "2", 'num_hidden_layers is "2" (a string)'),
-    "quoted width": ("hidden_size", "64", 'hidden_size is "64" (a string)'),
-    "float layers": ("num_hidden_layers", 2.0, "num_hidden_layers is 2.0 (a number)"),
+    # types: transformers' typed config refuses them, in one line naming the field
+    "quoted layers": ("num_hidden_layers", "2", "'num_hidden_layers'"),
+    "quoted width": ("hidden_size", "64", "'hidden_size'"),
+    "float layers": ("num_hidden_layers", 2.0, "'num_hidden_layers'"),
+    "int activation": ("hidden_act", 3, "'hidden_act'"),
+    # what transformers takes and then fails on, or builds quietly wrong: halfsafe's own checks (io/config_fields.py)
     "bool heads": ("num_attention_heads", True, "num_attention_heads is true (a boolean)"),
-    "negative layers": ("num_hidden_layers", -1, "num_hidden_layers is -1"),
-    "zero heads": ("num_attention_heads", 0, "num_attention_heads is 0"),
-    "string eps": ("rms_norm_eps", "1e-6", 'rms_norm_eps is "1e-6"'),
-    "string tie": ("tie_word_embeddings", "no", 'tie_word_embeddings is "no"'),
-    "padding id past the vocabulary": ("pad_token_id", 256, "pad_token_id is 256"),
-    "int activation": ("hidden_act", 3, "hidden_act"),  # left to transformers' typed config: one line too
+    "negative layers": ("num_hidden_layers", -1, "num_hidden_layers is -1 (a number)"),
+    "zero heads": ("num_attention_heads", 0, "num_attention_heads is 0 (a number)"),
+    "string eps": ("rms_norm_eps", "1e-6", 'rms_norm_eps is "1e-6" (a string)'),
+    "infinite eps": ("rms_norm_eps", 1e999, "rms_norm_eps is Infinity"),
+    "string tie": ("tie_word_embeddings", "no", 'tie_word_embeddings is "no" (a string)'),
+    "string architectures": ("architectures", "LlamaForCausalLM", 'architectures is "LlamaForCausalLM" (a string)'),
+    # a model no skeleton can be built from: refused where the skeleton is built, before any weight is read
+    "padding id past the vocabulary": ("pad_token_id", 256, "Padding_idx must be within num_embeddings"),
+    "a trillion kv heads": ("num_key_value_heads", 10**12, "cannot build"),
 }
 
 
@@ -152,7 +158,7 @@ def test_any_json_in_a_config_field_scans_or_is_refused_in_one_line(tiny, tmp_pa
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
-@pytest.mark.parametrize("command", ["scan", "convert", "convert --whole", "verify", "apply", "finetune"])
+@pytest.mark.parametrize("command", ["scan", "convert", "convert --whole", "verify", "apply", "finetune", "export onnx"])
 def test_a_tensor_of_a_dtype_halfsafe_does_not_read_is_one_line(tiny, plan, tmp_path, capsys, no_slow_part, dtype, command):
     folder = copy_of(tiny, tmp_path / "model")
     tensors = load_file(folder / "model.safetensors")

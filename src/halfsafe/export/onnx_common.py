@@ -51,14 +51,18 @@ def versions() -> dict[str, str]:
 def load_exportable_fp16(folder: Path, check, model_class=None):
     """The checkpoint in `folder`, all-fp16 (no module kept in fp32), eval mode, once `check(config)` accepts it:
     the one loader of the three exports. `model_class` None: the class the config names."""
+    from ..engine.shards import Shards
     from ..io.loading import model_class_for, read_config
     from ..io.trust import quiet_transformers
+    from ..io.validate import check_config
     from ..runtime.fp16 import load_pure_fp16
 
     config = read_config(folder)
     check(config)
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise HalfsafeError(f"{folder} has a config.json but no weights (*.safetensors): copy the weight files next to it")
+    # as every load of a folder (io.loading): the files transformers reads, their dtypes, the config against them
+    check_config(config, model_class_for(config), Shards(folder), folder)
     with quiet_transformers():
         model = load_pure_fp16(model_class or model_class_for(config), folder, local_files_only=True)
     return model.eval()
