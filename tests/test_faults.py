@@ -268,9 +268,12 @@ FAIL_AT = {"first": (0, 100), "second": (1, 100), "middle": (2, 100), "second to
            "last whole block": (BLOCKS - 1, 0), "the tail": (BLOCKS, None)}
 
 
+HANG = 300  # seconds: how long a hung caller is waited for (a deadlock guard, never a measure of speed)
+
+
 def _writer(out: Path, block: int, tail: int, limit: int = 0, meanwhile=lambda child: None) -> tuple[dict, list]:
     """FileOut writing BLOCKS blocks of `block` bytes, then `tail` bytes, into `out`, in a process of its own (what
-    it raised, and where), while `meanwhile(child)` runs here; a caller still waiting after 60 s fails the test."""
+    it raised, and where), while `meanwhile(child)` runs here; a caller still waiting after HANG s fails the test."""
     from halfsafe.engine import file_out
 
     args = [file_out.__file__, str(out), block, BLOCKS, tail, limit]
@@ -278,11 +281,11 @@ def _writer(out: Path, block: int, tail: int, limit: int = 0, meanwhile=lambda c
                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     try:
         meanwhile(child)
-        stdout, stderr = child.communicate(timeout=60)
+        stdout, stderr = child.communicate(timeout=HANG)
     except subprocess.TimeoutExpired:
         child.kill()
         child.communicate()
-        pytest.fail("the caller hung: still waiting after 60 s (for a staging block the failed write kept?)")
+        pytest.fail(f"the caller hung: still waiting after {HANG} s (for a staging block the failed write kept?)")
     finally:
         if child.poll() is None:
             child.kill()
@@ -337,7 +340,7 @@ def test_a_write_failing_while_the_caller_waits_for_a_staging_block_is_raised_no
     assert room < block // 2 and (k < BLOCKS or tail > room), "the failing block must fill the pipe"
 
     def wait_readable():
-        assert select.select([reader], [], [], 60)[0], "the writer wrote nothing for 60 s"
+        assert select.select([reader], [], [], HANG)[0], f"the writer wrote nothing for {HANG} s"
 
     def fail_block_k_while_the_caller_waits(child):
         left = k * block
@@ -348,7 +351,7 @@ def test_a_write_failing_while_the_caller_waits_for_a_staging_block_is_raised_no
             left -= len(got)
         wait_readable()  # block k's bytes: its write is under way, held by the full pipe
         stat = Path(f"/proc/{child.pid}/task/{child.pid}/stat")
-        for _ in range(60_000):  # until the caller's thread sleeps: waiting for a staging block, or in close
+        for _ in range(HANG * 1000):  # until the caller's thread sleeps: waiting for a staging block, or in close
             if stat.read_text().rsplit(")", 1)[1].split()[0] == "S":
                 break
             time.sleep(0.001)
