@@ -4,7 +4,8 @@
 One tiny stressed model per family in vLLM's float16 table (Gemma 2, Gemma 3 text, GLM-4) and a Llama control,
 converted once for the module. vLLM's import and start-up are most of a case's time, so the cases run in two
 processes: one that asks vLLM's ModelConfig for each folder's dtype (converted: float16 allowed, `auto` float16;
-converted weights without their record, original weights with a copied record, an edited shard: refused) and runs
+converted weights without their record, original weights with a copied record, an edited shard, the converted folder
+with `hf_overrides` or `hf_config_path` bringing back the original's rms_norm_eps: refused) and runs
 LLM.generate in float16 on the converted model and, with the table emptied by hand, the unconverted one; then one
 OpenAI server (`vllm serve`'s) over HTTP. Gemma 3 multimodal is checked at vLLM's dtype check only: vLLM's Gemma 3 processor imports
 torchvision, whose PyPI build is CUDA's (it breaks transformers' imports on a CPU torch).
@@ -59,6 +60,10 @@ def folders(vllm_python, tmp_path_factory):
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
+    made["gemma3_text"]["config-copy"] = root / "gemma3_text" / "config-copy"  # the converted config.json, elsewhere
+    made["gemma3_text"]["config-copy"].mkdir()
+    shutil.copy(root / "gemma3_text" / "converted" / "config.json", made["gemma3_text"]["config-copy"])
+    made["cache"] = root / "halfsafe-cache"  # the plugin's, not the user's
     return made
 
 
@@ -76,13 +81,26 @@ def results(vllm_python, folders, tmp_path_factory):
                                                "dtype": "float16"}
     for name, dtype in (("converted", "float16"), ("converted", "auto"), ("copied", "float16"), ("bare", "float16")):
         jobs[(f"{name}-{dtype}", "gemma3")] = {"op": "dtype", "model": str(folders["gemma3"]["root"] / name), "dtype": dtype}
+    for key in REFUSED:  # the config vLLM runs, built from --hf-overrides / --hf-config-path: the original's eps
+        d = folders[key]["root"]
+        jobs[("override-float16", key)] = {"op": "config", "model": str(d / "converted"), "dtype": "float16",
+                                           "hf_overrides": {"rms_norm_eps": 1e-6}}
+        jobs[("config-path-float16", key)] = {"op": "config", "model": str(d / "converted"), "dtype": "float16",
+                                              "hf_config_path": str(d / "original")}
+    d = folders["gemma3_text"]["root"]
+    jobs[("override-auto", "gemma3_text")] = {"op": "config", "model": str(d / "converted"), "dtype": "auto",
+                                              "hf_overrides": {"rms_norm_eps": 1e-6}}
+    jobs[("same-config-path-float16", "gemma3_text")] = {"op": "config", "model": str(d / "converted"), "dtype": "float16",
+                                                         "hf_config_path": str(folders["gemma3_text"]["config-copy"])}
+    jobs[("override-float16", "gemma3")] = {"op": "dtype", "model": str(folders["gemma3"]["root"] / "converted"),
+                                            "dtype": "float16", "set": {"text_config.rms_norm_eps": 1e-6}}
     for key in FAMILIES:
         d = folders[key]["root"]
         jobs[("run", key)] = {"op": "run", "model": str(d / "converted"), "dtype": "float16", "prompts": PROMPTS, "new_tokens": NEW}
         jobs[("run-unconverted", key)] = {"op": "run", "model": str(d / "original"), "dtype": "float16", "prompts": PROMPTS,
                                           "new_tokens": NEW, "lift": True}
     start = time.perf_counter()
-    got = vllmenv.case(vllm_python, meta, list(jobs.values()), timeout=900)
+    got = vllmenv.case(vllm_python, meta, list(jobs.values()), timeout=900, cache=folders["cache"])
     print(f"\nvLLM process: {len(jobs)} jobs in {time.perf_counter() - start:.1f} s")
     return dict(zip(jobs, got)), meta
 
@@ -111,6 +129,29 @@ def test_an_edited_shard_is_refused(results):
     got, _ = results
     edited = got[("edited-float16", "gemma3_text")]
     assert "model.safetensors is not the file halfsafe wrote" in edited.get("error", "") and APPLY in edited["error"], edited
+
+
+@pytest.mark.parametrize("key", REFUSED + ("gemma3",))
+def test_a_config_that_is_not_the_fingerprinted_one_is_refused_naming_the_field(results, folders, key):
+    """vLLM's config built with --hf-overrides rms_norm_eps=1e-6, or read from --hf-config-path (the original's:
+    its eps is 1e-6 where the converted one's is rescaled): refused, naming the field and both values; Gemma 3
+    multimodal: its text_config's eps, a sub-config's field. The same config.json from another path is allowed."""
+    got, _ = results
+    field = "text_config.rms_norm_eps" if key == "gemma3" else "rms_norm_eps"
+    eps = {}
+    for name in ("converted", "original"):
+        config = json.loads((folders[key]["root"] / name / "config.json").read_text())
+        eps[name] = (config["text_config"] if key == "gemma3" else config)["rms_norm_eps"]
+    for case, ours in (("override-float16", 1e-6),) + (() if key == "gemma3" else (("config-path-float16", eps["original"]),)):
+        error = got[(case, key)].get("error", "")
+        said = f"{field} {ours!r} (the config vLLM runs) != {eps['converted']!r} (config.json)"
+        assert "does not support float16" in error and said in error, error
+        assert "--hf-overrides" in error and APPLY not in error
+    if key == "gemma3_text":
+        assert got[("override-auto", key)] == {"dtype": "bfloat16"}  # as vLLM resolves it without halfsafe
+        assert got[("same-config-path-float16", key)] == {"dtype": "float16"}
+        cache = json.loads((folders["cache"] / "vllm-verified.json").read_text())["folders"]
+        assert str((folders[key]["root"] / "converted").resolve()) in cache  # the plugin's verified folders: not the user's cache
 
 
 def test_control_is_untouched(results):
@@ -168,7 +209,8 @@ def test_vllm_serve_openai_completion_returns_the_same_tokens(vllm_python, resul
            "--port", str(port), "--max-model-len", "128", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
            "--seed", "0"]
     start = time.perf_counter()
-    server = subprocess.Popen(cmd, env=vllmenv.env(meta), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(cmd, env=vllmenv.env(meta, folders["cache"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         while True:
@@ -194,4 +236,4 @@ def test_vllm_serve_openai_completion_returns_the_same_tokens(vllm_python, resul
     print(f"\nvllm serve: up and answered in {time.perf_counter() - start:.1f} s")
     tokens = [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]
     assert tokens == got[("run", "gemma3_text")]["outputs"][0]["tokens"]
-    assert "halfsafe: " in log and "fingerprint checked): torch.float16 allowed for gemma3_text" in log
+    assert "halfsafe: " in log and "is the one fingerprinted): torch.float16 allowed for gemma3_text" in log

@@ -4,8 +4,10 @@ list of results on the last line of stdout, one per job (a job that raises gives
 and vLLM only: halfsafe's plugin comes in through its entry point, as in any vLLM process.
 
 jobs:
-  {"op": "config", "model", "dtype"}: the dtype vLLM's ModelConfig resolves (or its error): where the float16 check is
-  {"op": "dtype", "model", "dtype"}: the same from vLLM's dtype check alone, on the folder's HF config
+  {"op": "config", "model", "dtype", "hf_overrides"?, "hf_config_path"?}: the dtype vLLM's ModelConfig resolves (or its
+      error): where the float16 check is; the config built as `--hf-overrides` / `--hf-config-path` build it
+  {"op": "dtype", "model", "dtype", "set"?: {dotted field: value}}: the same from vLLM's dtype check alone, on the
+      folder's HF config (with `set`'s fields changed on it, a sub-config's too)
   {"op": "run", "model", "dtype", "prompts": [[ids]], "new_tokens", "lift": bool}: LLM.generate's greedy tokens and
       their logprobs, the dtype vLLM ran in and its weights' dtypes; `lift` empties vLLM's float16 table by hand for
       this job (to run the unconverted model in float16 and show what float16 does to it)
@@ -22,7 +24,8 @@ import sys
 def config(job):
     from vllm.engine.arg_utils import EngineArgs
 
-    got = EngineArgs(model=job["model"], dtype=job["dtype"], max_model_len=128).create_model_config()
+    extra = {k: job[k] for k in ("hf_overrides", "hf_config_path") if k in job}
+    got = EngineArgs(model=job["model"], dtype=job["dtype"], max_model_len=128, **extra).create_model_config()
     return {"dtype": str(got.dtype).removeprefix("torch.")}
 
 
@@ -33,6 +36,12 @@ def dtype(job):
     from vllm.config import model as config_model
 
     hf = AutoConfig.from_pretrained(job["model"])
+    for dotted, value in job.get("set", {}).items():
+        *parents, name = dotted.split(".")
+        target = hf
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, name, value)
     got = config_model._get_and_verify_dtype(job["model"], hf, job["dtype"], is_pooling_model=False, revision=None)
     return {"dtype": str(got).removeprefix("torch.")}
 

@@ -44,18 +44,20 @@ def metadata(folder: Path) -> Path:
     return folder
 
 
-def env(meta: Path | None) -> dict:
+def env(meta: Path | None, cache: Path | None = None) -> dict:
     """A vLLM process's environment: offline, the engine in this process, halfsafe on the path (its metadata too
-    unless `meta` is None: vLLM without the plugin)."""
+    unless `meta` is None: vLLM without the plugin); `cache`: halfsafe's cache folder for the plugin (the folders it
+    verified), instead of the user's."""
     paths = [str(meta)] if meta is not None else []
+    own = {"HALFSAFE_CACHE": str(cache)} if cache is not None else {}
     return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": os.pathsep.join([*paths, str(ROOT / "src")]), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+            "PYTHONPATH": os.pathsep.join([*paths, str(ROOT / "src")]), "VLLM_CPU_OMP_THREADS_BIND": "nobind", **own}
 
 
-def case(python: Path, meta: Path | None, job: dict, timeout: float = 300) -> dict | list:
+def case(python: Path, meta: Path | None, job: dict, timeout: float = 300, cache: Path | None = None) -> dict | list:
     """tests/vllm_case.py on `job` in a fresh process; its JSON result."""
     done = subprocess.run([str(python), str(CASE), json.dumps(job)], capture_output=True, text=True, timeout=timeout,
-                          env=env(meta))
+                          env=env(meta, cache))
     if done.returncode != 0:
         raise RuntimeError(f"vLLM case {job.get('op')} on {job.get('model')} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

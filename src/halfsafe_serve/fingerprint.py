@@ -77,9 +77,11 @@ def fp16_safe(record: dict) -> bool:
     return ok
 
 
-def verified_record(folder: str | Path) -> dict:
+def verified_record(folder: str | Path, digests: dict | None = None) -> dict:
     """halfsafe.json of `folder` when it says the folder is fp16-safe and the folder's weights are the ones it
-    fingerprinted; else NotVerified with the reason (no halfsafe.json at all: NotVerified too, `.absent` set)."""
+    fingerprinted; else NotVerified with the reason (no halfsafe.json at all: NotVerified too, `.absent` set).
+    `digests`: {name: sha256} of files known unchanged since they were hashed (halfsafe_serve.verified's cache), used
+    instead of reading them again; every other check runs as without them."""
     folder = Path(folder)
     path = folder / FILE
     if not path.is_file():
@@ -108,7 +110,8 @@ def verified_record(folder: str | Path) -> dict:
                                       f"not written by halfsafe: {', '.join(extra)}" if extra else "") if s)
         raise NotVerified(f"{folder}'s weights are not the ones its {FILE} describes ({what}); {_APPLY}")
     for name in present:
-        if sha256_file(folder / name) != recorded[name]:
+        digest = (digests or {}).get(name) or sha256_file(folder / name)
+        if digest != recorded[name]:
             raise NotVerified(f"{folder}/{name} is not the file halfsafe wrote (a fine-tune saved over it, an edited file, "
                               f"or a {FILE} copied next to other weights); {_APPLY}")
     return record
