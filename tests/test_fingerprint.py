@@ -565,3 +565,13 @@ def test_a_hub_cache_snapshot_is_found_at_its_revision_only(converted, tmp_path,
         wrapped("org/name", config, "float16", is_pooling_model=False, revision="main")
     with pytest.raises(ValueError, match="does not support float16.$"):
         wrapped("org/name", config, "float16", is_pooling_model=False, revision="v3")
+
+
+def test_the_plugin_imports_only_the_standard_library_until_vllm_calls_it():
+    """vLLM imports the entry point in each of its processes: halfsafe_serve.vllm brings in nothing but the standard
+    library (no torch, transformers, halfsafe or huggingface_hub) before `register` runs."""
+    code = ("import sys; before = set(sys.modules); import halfsafe_serve.vllm; "
+            "print(' '.join(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    brought = set(done.stdout.split()) - {"halfsafe_serve"}
+    assert brought <= set(sys.stdlib_module_names), sorted(brought - set(sys.stdlib_module_names))
