@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headroom-bits", type=_number, help="keep every movable activation this many bits under 65504 (default: the margin for --max-context)")
     p.add_argument("--long-sample", type=_count(2), metavar="N", help="also calibrate on one N-token sample (the embedded text repeated)")
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=rq.TARGETS, help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON: halfsafe.json's content and the time each phase took")
@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("converted", help="the folder `halfsafe convert` wrote")
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     _runtime_option(p, "compute the norms (prescaled inside each norm) to run")
     p.set_defaults(func=cmd_export)
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     p.add_argument("out", help="output folder (must not exist unless --overwrite)")
     _add_text_args(p, rq.APPLY_TEXT)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
     _tokenizer_option(p)
     p.set_defaults(func=cmd_apply)
 
@@ -429,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-from", metavar="STATE", help="resume from this state file instead of OUT's partial folder")
     p.add_argument("--restart", action="store_true", help="discard a saved training state and start over")
     p.add_argument("--save-unconverged", action="store_true", help="save even if --steps ran out before every peak was below the target")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write the fine-tune and conversion report as JSON")
     _device_option(p, "where the whole model trains")
     _tokenizer_option(p)
@@ -454,34 +454,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_reports(args) -> None:
-    """--json and --plot, right after parsing (before anything loads): never written into, over or around the model
-    or the converted folder being read (a hard link to one of their files included), nor over OUT or each other; a
-    file, not a folder, whose names fit the file system and whose folder can be made; --plot in a format matplotlib
-    writes here (halfsafe.plots.plot_file)."""
-    from .io.loading import input_paths
-    from .io.paths import check_report_path
+_READS = (("model", "the model"), ("converted", "the converted folder"), ("tokenizer", "the tokenizer"))  # by input_paths
+_READ_FILES = (("text", "the text file"), ("plan", "the plan"), ("resume_from", "the training state"))  # a file; a plan
+# may be a converted folder too (a folder given as a text or a state is refused as what it is by its own check, later)
 
-    inputs = [p for name in ("model", "converted", "tokenizer") if getattr(args, name, None) for p in input_paths(getattr(args, name))]
-    reports = [("--json", Path(args.json))] if getattr(args, "json", None) else []
+
+def _check_paths(args) -> None:
+    """Every path the command writes (OUT, --json, --plot) against every path it reads (MODEL and each of its files,
+    CONVERTED, --tokenizer, each --text, the plan, --resume-from) and against each other, right after parsing (before
+    anything loads), in one check (halfsafe.io.paths.check_writes): none may be, hold, lie in, lead to or be a hard
+    link to another; a report is a file whose names fit the file system and whose folder can be made; --plot in a
+    format matplotlib writes here (halfsafe.plots.plot_file)."""
+    from .io.loading import input_paths
+    from .io.paths import check_writes
+
+    reads = [(label, p) for name, label in _READS if getattr(args, name, None) for p in input_paths(getattr(args, name))]
+    for name, label in _READ_FILES:
+        given = getattr(args, name, None)
+        reads += [(label, Path(p)) for p in (given if isinstance(given, list) else [given] if given else [])
+                  if name == "plan" or not os.path.isdir(p)]
+    if args.command == "demo":
+        reads += [("the model", p) for p in input_paths(DEFAULT_MODEL)]
+    writes = [("output folder", Path(args.out), True)] if getattr(args, "out", None) else []
+    writes += [("--json", Path(args.json), False)] if getattr(args, "json", None) else []
     if getattr(args, "plot", None):
         if args.command == "verify":
             from .verify.plots import plot_files
 
-            reports += [("--plot", p) for p in plot_files(args.plot)]
+            writes += [("--plot", p, False) for p in plot_files(args.plot)]
         else:
             from .plots import plot_file
 
-            reports.append(("--plot", plot_file(args.plot)[0]))
-    seen = {}
-    for what, path in reports:
-        check_report_path(path, what, inputs)
-        where = os.path.realpath(path)
-        if getattr(args, "out", None) and where == os.path.realpath(args.out):
-            raise HalfsafeError(f"{what} {path} is the output folder: name a file for the report")
-        if where in seen:
-            raise HalfsafeError(f"{what} {path} and {seen[where]} name the same file: give each report its own")
-        seen[where] = f"{what} {path}"
+            writes.append(("--plot", plot_file(args.plot)[0], False))
+    check_writes(writes, reads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import progress
 
     try:
-        _check_reports(args)
+        _check_paths(args)
         progress.show()  # on stderr: a bar on a terminal, a plain line every few seconds in a file or a CI log
         return args.func(args)
     except HalfsafeError as e:
