@@ -11,6 +11,7 @@ test_faults.py.)"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -343,9 +344,13 @@ def test_overwrite_refuses_a_link_as_out(converted, tmp_path, capsys):
     assert out.is_symlink() and folder_hash(tmp_path / "real") == before
 
 
+def _listed(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
 def test_what_halfsafe_writes_lists_every_file_it_wrote(converted):
     record = report.read(converted)
-    on_disk = {p.name: p.stat().st_size for p in converted.iterdir() if p.name != "halfsafe.json"}
+    on_disk = {p.name: _listed(p) for p in converted.iterdir() if p.name != "halfsafe.json"}
     assert record.files == on_disk and list(json.loads((converted / "halfsafe.json").read_text()))[-1] == "files"
     check_out_dir(converted, overwrite=True)  # replaceable as it is
 
@@ -363,16 +368,23 @@ def test_overwrite_replaces_a_real_previous_output(tiny, converted, tmp_path):
     assert not list(tmp_path.glob(".applied.*"))
 
 
-def test_an_older_halfsafe_json_without_the_list_is_still_a_record(converted, tmp_path):
-    """Folders written before the files list: the record alone decides (as it did then)."""
+@pytest.mark.parametrize("older", ["no list", "sizes only"])
+def test_an_older_halfsafe_json_is_still_a_record_but_its_folder_is_not_replaced(converted, tmp_path, capsys, older):
+    """Folders written before the digests: still records (read, applied, served), but --overwrite cannot tell their
+    files from ones saved over them at the same size, so it leaves them and says what to do."""
     out = tmp_path / "out"
     shutil.copytree(converted, out)
     d = json.loads((out / "halfsafe.json").read_text())
-    del d["files"]
+    if older == "no list":
+        del d["files"]
+    else:
+        d["files"] = {name: entry["bytes"] for name, entry in d["files"].items()}
     (out / "halfsafe.json").write_text(json.dumps(d, indent=2))
-    (out / "notes.txt").write_text("not listed: there is no list")
-    assert report.read(out).files is None
-    check_out_dir(out, overwrite=True)
+    assert report.read(out).conversion is not None  # still a record
+    before = folder_hash(out)
+    refused(capsys, ["convert", str(converted), str(out), "--overwrite", *SHORT], "lists no digest of each file",
+            "delete it yourself", "choose another output folder")
+    assert folder_hash(out) == before
 
 
 def test_a_run_killed_just_after_its_rename_leaves_a_replaceable_out(converted, tmp_path):
@@ -428,7 +440,7 @@ def test_overwrite_replaces_an_onnx_export_halfsafe_wrote(converted, tmp_path, c
     assert main(["export", "onnx", str(converted), str(out)]) == 0
     record = report.read(out)
     assert "onnx/model_fp16.onnx" in record.files and "model.safetensors" not in record.files
-    assert record.files["config.json"] == (out / "config.json").stat().st_size  # after the exporter's edit
+    assert record.files["config.json"] == _listed(out / "config.json")  # after the exporter's edit
     assert record.fingerprint is None  # no weights here: the source's fingerprint is not carried over
     assert main(["export", "onnx", str(converted), str(out), "--overwrite"]) == 0
     (out / "onnx" / "notes.txt").write_text("mine")
@@ -440,9 +452,152 @@ def test_overwrite_replaces_a_convert_to_onnx_output(tiny, tmp_path, fake_onnx):
     assert main(["convert", str(tiny), str(out), "--to", "onnx", *SHORT]) == 0
     record = report.read(out)
     assert "onnx/model_fp16.onnx" in record.files and "model.safetensors" in record.files
-    assert record.files["config.json"] == (out / "config.json").stat().st_size
+    assert record.files["config.json"] == _listed(out / "config.json")
     assert verified_record(out)["fingerprint"] == record.fingerprint  # config.json fingerprinted after the exporter's edit
     assert main(["convert", str(tiny), str(out), "--to", "onnx", "--overwrite", *SHORT]) == 0
+
+
+# --- --overwrite by content: before the long part, and again right before the swap -----------------------------------
+
+
+def _finetune_saved_over(out: Path) -> None:
+    """What a user does with a converted folder: load it, train, save_pretrained into it. Every file keeps its size."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sizes = {p.name: p.stat().st_size for p in out.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    model.save_pretrained(out)
+    assert {p.name: p.stat().st_size for p in out.iterdir()} == sizes  # a size alone cannot tell
+
+
+def _overwrite_argv(command: str, converted: Path, tiny: Path, out: Path) -> list[str]:
+    return {"convert": ["convert", str(tiny), str(out), *SHORT],
+            "apply": ["apply", str(converted), str(tiny), str(out), *SHORT],
+            "finetune": ["finetune", str(tiny), str(out), *SHORT, "--steps", "1"],
+            "export onnx": ["export", "onnx", str(converted), str(out)]}[command] + ["--overwrite"]
+
+
+@pytest.mark.parametrize("command", ["convert", "apply", "finetune", "export onnx"])
+def test_overwrite_keeps_a_fine_tune_saved_over_out(tiny, converted, tmp_path, capsys, monkeypatch, command):
+    """Every command that takes --overwrite: a folder halfsafe wrote, whose weights a fine-tune replaced at the same
+    size, is named and kept, before anything loads."""
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    _finetune_saved_over(out)
+    before = folder_hash(out)
+    monkeypatch.setattr("halfsafe.io.loading.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    refused(capsys, _overwrite_argv(command, converted, tiny, out), "model.safetensors changed since halfsafe wrote it",
+            "move it out")
+    assert folder_hash(out) == before and not list(tmp_path.glob(".out.*"))
+
+
+def test_the_demos_convert_keeps_a_fine_tune_saved_over_its_out(converted, tmp_path, monkeypatch):
+    """`halfsafe demo --out OUT` replaces OUT through convert_checkpoint(overwrite=True): the same check."""
+    from halfsafe.convert import convert_checkpoint
+
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    _finetune_saved_over(out)
+    before = folder_hash(out)
+    monkeypatch.setattr("halfsafe.io.loading.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(HalfsafeError, match="model.safetensors changed since halfsafe wrote it"):
+        convert_checkpoint(str(converted), str(out), overwrite=True, progress=False)
+    assert folder_hash(out) == before
+
+
+def _during_the_run(case: str, out: Path) -> str:
+    """What a user (or another program) does to OUT while a run that replaces it works; what the refusal names."""
+    if case == "a file written":
+        (out / "notes.txt").write_text("written while halfsafe worked")
+        return "holds notes.txt, which halfsafe did not write"
+    if case == "a folder written":
+        _user_folder(out / "runs")
+        return "holds runs, which halfsafe did not write"
+    if case == "a fine-tune saved over it":
+        _finetune_saved_over(out)
+        return "model.safetensors changed since halfsafe wrote it"
+    if case == "a listed file edited in place":
+        with open(out / "config.json", "r+b") as f:
+            f.write(b" ")  # the same size: its digest alone tells
+        return "config.json changed since halfsafe wrote it"
+    if case == "edited, its time set back":
+        st = os.stat(out / "config.json")
+        with open(out / "config.json", "r+b") as f:
+            f.write(b" ")
+        os.utime(out / "config.json", ns=(st.st_atime_ns, st.st_mtime_ns))  # only its ctime tells it was written
+        return "config.json changed since halfsafe wrote it"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["a file written", "a folder written", "a fine-tune saved over it",
+                                  "a listed file edited in place", "edited, its time set back"])
+def test_what_is_written_into_out_while_a_run_works_is_kept(tiny, converted, tmp_path, case):
+    """A real convert --overwrite: its `finish` (the seam `convert --to onnx` adds its graphs through, called in the
+    temporary folder once the checkpoint is written, before the swap) changes OUT. The swap moves OUT aside, finds it
+    is not what was recorded, puts it back as it is and fails in one line; the new checkpoint is not kept."""
+    from halfsafe.convert import run_convert
+    from halfsafe.requests import ConvertRequest, TextOptions
+
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    folder, said = os.stat(out).st_ino, []
+    request = ConvertRequest(tiny, out, TextOptions(seq_len=32, max_samples=1), overwrite=True, progress=False)
+    seen = {}
+
+    def finish(tmp: Path) -> None:
+        said.append(_during_the_run(case, out))
+        seen["out"] = folder_hash(out)
+
+    with pytest.raises(HalfsafeError) as e:
+        run_convert(request, finish)
+    assert said[0] in str(e.value) and "move it out" in str(e.value) and "this run saved nothing" in str(e.value)
+    assert len(str(e.value).splitlines()) == 1
+    assert folder_hash(out) == seen["out"] and os.stat(out).st_ino == folder  # the folder as the user left it
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_an_unchanged_out_is_read_once_a_run(tiny, converted, tmp_path, monkeypatch):
+    """The check before the long part hashes each file of OUT; the checks after it (the disk check, the save's, the
+    swap's) find each file as it was hashed (device, inode, size, mtime, ctime) and do not read it again."""
+    import hashlib as real
+
+    import halfsafe.io.checkpoint as checkpoint
+
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    hashed = []
+
+    def sha256(*args):
+        hashed.append(1)
+        return real.sha256(*args)
+
+    monkeypatch.setattr(checkpoint, "hashlib", SimpleNamespace(sha256=sha256))
+    assert main(["convert", str(tiny), str(out), "--overwrite", *SHORT]) == 0
+    assert len(hashed) == len(report.read(converted).files)  # each of the old OUT's files, once
+
+
+# --- this process's own leftovers ---------------------------------------------------------------------------------
+
+
+def test_a_leftover_of_this_very_process_is_removed_once_its_run_is_over(tmp_path):
+    """A folder this process marked is in use while its run is active (another block of this process may be writing
+    it: kept), and a leftover once the run is released (a block that could not clean up: removed), though its pid is
+    this live process's own."""
+    out = tmp_path / "out"
+    folder = Path(tempfile.mkdtemp(prefix=".out.tmp-", dir=tmp_path))
+    run = owned.mark(folder, out, owned.TEMPORARY)
+    m = owned.owned(folder, out, owned.TEMPORARY)
+    assert m["pid"] == os.getpid() and m["started"] == owned._started(os.getpid())  # this live process
+    try:
+        assert owned.running(m) and clean_stale(out) == [] and folder.is_dir()
+    finally:
+        owned.release(run)
+    assert not owned.running(m)
+    assert clean_stale(out) == [folder] and not os.path.lexists(folder)
 
 
 # --- the fine-tune's partial folder -------------------------------------------------------------------------------

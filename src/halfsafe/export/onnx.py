@@ -153,7 +153,7 @@ def _write_graphs(exporter: Exporter, model, profile: RuntimeProfile, folder: Pa
 
     split: dict = {}
     onnx_dir = folder / Path(ONNX_FILE).parent
-    with atomic_folder(onnx_dir, replace=True) as tmp:
+    with atomic_folder(onnx_dir, replace=True, inner=True) as tmp:  # `folder`'s record covers onnx/
         for rel, program in exporter.programs(model):  # one graph in memory at a time
             split_graph(profile, program, split)
             save_program(program, tmp / Path(rel).name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from transformers import PreTrainedModel
 from ..engine.write import DEFAULT_MAX_SHARD_SIZE, save_fp16
 from ..errors import HalfsafeError
 from . import card, owned, report
-from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths, refuse_overlap
+from .paths import DERIVED_EXTRA, INNER_EXTRA, check_name_lengths, refuse_overlap, refuse_shared_inodes
 from .report import Record
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,17 @@ _CARRY_OVER = ("LICENSE*", "NOTICE*", "USE_POLICY*", "*TERMS*", "*.md")  # legal
 
 
 @contextmanager
-def atomic_folder(out: Path, replace: bool = False):
+def atomic_folder(out: Path, replace: bool = False, inner: bool = False):
     """Yield a temporary folder beside `out`; when the block succeeds it becomes `out`, when it fails it is removed.
     `replace`: the folder at `out` when the block starts may be replaced (it is renamed aside first and deleted only
     once the new one is in place, so a crash at any moment leaves the old or the new folder, never a half-written
-    one). Nothing else is ever replaced: a folder that appeared at `out` meanwhile (another run's) stays, and this
-    run fails in one line. The temporary and the old folder carry halfsafe's mark (io.owned) until they are gone, so
-    that a later run can tell them, and only them, from a user's folder of the same name."""
+    one), and only while it still holds what halfsafe wrote there: once renamed aside, its files are checked against
+    its record by content again (`_check_replaceable`: a file written or saved over in it while this run worked), and
+    anything else puts it back and fails the run in one line. Nothing else is ever replaced: a folder that appeared
+    at `out` meanwhile (another run's) stays, and this run fails in one line. `inner`: `out` lies inside a folder
+    halfsafe is writing (onnx/ of a checkpoint), whose own record covers it: replaced as it is. The temporary and the
+    old folder carry halfsafe's mark (io.owned) until they are gone, so that a later run can tell them, and only them,
+    from a user's folder of the same name."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
@@ -50,7 +55,7 @@ def atomic_folder(out: Path, replace: bool = False):
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint folder is ordinary
-        old, old_made = _swap_in(tmp, out, seen)
+        old, old_made = _swap_in(tmp, out, seen, None if inner else _check_replaceable)
         owned.unmark(out, run)  # the mark moved in with the folder: proven ours (io.owned), it goes now
     finally:
         owned.release(run)
@@ -59,9 +64,11 @@ def atomic_folder(out: Path, replace: bool = False):
             owned.remove(old, old_made)
 
 
-def _swap_in(tmp: Path, out: Path, seen: tuple[int, int] | None) -> tuple[Path | None, list[int] | None]:
-    """Rename `tmp` to `out`, moving aside the folder `seen` (only that one) first; returns the folder holding the
-    old one (to delete) and its identity, or None."""
+def _swap_in(tmp: Path, out: Path, seen: tuple[int, int] | None,
+             check: Callable[[Path, Path], None] | None = None) -> tuple[Path | None, list[int] | None]:
+    """Rename `tmp` to `out`, moving aside the folder `seen` (only that one) first, and only while `check(folder, out)`
+    passes on it once aside (where no path through `out` reaches it any more); returns the folder holding the old one
+    (to delete) and its identity, or None."""
     appeared = HalfsafeError(f"{out} appeared while this run was writing it (another halfsafe run?): it was left as it "
                              "is and this run saved nothing; choose another output folder")
     old = made = run = None
@@ -79,6 +86,20 @@ def _swap_in(tmp: Path, out: Path, seen: tuple[int, int] | None) -> tuple[Path |
                     owned.unmark(old)  # another run's folder: kept, never a leftover a later run may delete
                     log.warning("another run's output is kept in %s", old)
                 raise appeared
+            if check is not None:
+                try:
+                    check(old / out.name, out)
+                except (HalfsafeError, OSError) as e:  # written into while this run worked: it goes back, as it is
+                    try:
+                        _rename_noreplace(old / out.name, out)
+                        owned.remove(old, made)
+                    except OSError:
+                        owned.unmark(old)
+                        log.warning("the folder this run would have replaced is kept in %s", old)
+                    if isinstance(e, HalfsafeError):
+                        raise HalfsafeError(f"{e} (found as this run came to replace {out}, which it left as it was: this "
+                                            "run saved nothing)") from None
+                    raise
             try:
                 _rename_noreplace(tmp, out)
             except FileExistsError:
@@ -177,11 +198,13 @@ MARK = report.FILE  # every folder halfsafe writes carries it; --overwrite repla
 
 def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, inputs=()) -> Path:
     """Fail now, not after an hour of work: OUT must not be, hold or lie inside any of `inputs` (the model, its
-    folder), must not exist unless overwrite (and then be a folder halfsafe wrote, or an empty one), its folder must
+    folder), nor hold a hard link to one of their files, must not exist unless overwrite (and then be a folder
+    halfsafe wrote, holding the bytes it wrote, or an empty one: `_check_replaceable`), its folder must
     be creatable and writable, and the disk must hold `needed_bytes` more (the existing OUT too, which stays until the
     new one is done)."""
     out = Path(out)
     refuse_overlap(out, inputs)
+    refuse_shared_inodes(out, "output folder", inputs)  # replacing OUT deletes its files' names
     check_name_lengths(out, "output folder", DERIVED_EXTRA, INNER_EXTRA)  # .OUT.tmp-XXXXXXXX beside it, onnx/... inside
     if out.exists() and not overwrite:
         raise HalfsafeError(f"{out} already exists: choose another output folder or pass --overwrite")
@@ -210,43 +233,84 @@ def check_out_dir(out: str | Path, overwrite: bool, needed_bytes: int = 0, input
     return out
 
 
-def _check_replaceable(out: Path) -> None:
-    """--overwrite replaces an empty folder, or one halfsafe wrote: its halfsafe.json (a plain file) reads as a record,
-    and the folder holds no file that record does not list, each of the size it was written (a record from before
-    the list, none: the record alone)."""
-    entries = sorted(os.listdir(out))
+def _check_replaceable(folder: Path, out: Path | None = None) -> None:
+    """--overwrite replaces an empty folder, or one halfsafe wrote and nobody changed since: its halfsafe.json (a plain
+    file) reads as a record whose `files` lists each file with its sha256, and the folder holds those files, each
+    with those bytes, and nothing else. A record from before the digests (or the list) is refused: a file saved over
+    at the same size (a fine-tune's weights) cannot be told from the one halfsafe wrote. `out`: the name to say
+    (`folder` is OUT, or OUT moved aside just before the swap)."""
+    out = Path(out if out is not None else folder)
+    entries = sorted(os.listdir(folder))
     if not entries:
         return
     def refuse(why: str) -> HalfsafeError:
         return HalfsafeError(f"{out} holds files halfsafe did not write ({why}): --overwrite replaces only a folder "
                              "halfsafe wrote, or an empty one; choose another output folder")
 
-    mark = out / MARK
+    mark = folder / MARK
     if mark.is_symlink() or not mark.is_file():
         raise refuse(f"it has no {MARK} of its own")
     try:
         record = report.read(mark)
     except (HalfsafeError, ValueError, TypeError, KeyError, AttributeError):
         raise refuse(f"its {MARK} is not a record halfsafe wrote") from None
-    if record.files is None:
-        return
+    if record.files is None or any(not isinstance(v, dict) for v in record.files.values()):
+        raise HalfsafeError(f"{out} was written by halfsafe {record.versions.halfsafe or '(unknown)'}, whose {MARK} lists no "
+                            "digest of each file: --overwrite cannot tell its files from ones saved over them at the same "
+                            "size; if nothing in it is yours, delete it yourself, else choose another output folder")
     dirs = {p for f in record.files for p in Path(f).parents if p != Path(".")}
-    for root, subdirs, names in os.walk(out):
+    for root, subdirs, names in os.walk(folder):
         for name in sorted(subdirs) + sorted(names):
             path = Path(root) / name
-            rel = path.relative_to(out)
-            st = os.lstat(path)
+            rel = path.relative_to(folder)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:  # gone since the folder was listed: nothing of anyone's to lose
+                continue
             if stat.S_ISDIR(st.st_mode) and rel in dirs:
                 continue
-            if rel == Path(MARK) or (rel == Path(owned.MARK) and owned.owned(out, out, owned.TEMPORARY)):
+            if rel == Path(MARK) or (rel == Path(owned.MARK) and owned.owned(folder, out, owned.TEMPORARY)):
                 continue  # the mark of the temporary folder this was, proven: a run killed just after its rename
-            if not stat.S_ISREG(st.st_mode) or rel.as_posix() not in record.files:
+            listed = record.files.get(rel.as_posix())
+            if not stat.S_ISREG(st.st_mode) or listed is None:
                 raise HalfsafeError(f"{out} holds {rel.as_posix()}, which halfsafe did not write: move it out or choose "
                                     "another output folder")
-            if st.st_size != record.files[rel.as_posix()]:
+            try:
+                same = st.st_size == listed["bytes"] and _sha256(path) == listed["sha256"]
+            except OSError as e:
+                raise HalfsafeError(f"{out}'s {rel.as_posix()} cannot be read ({e.strerror}): --overwrite replaces only "
+                                    "what it can check it wrote; choose another output folder") from None
+            if not same:
                 raise HalfsafeError(f"{out}'s {rel.as_posix()} changed since halfsafe wrote it: move it out or choose "
                                     "another output folder")
-        subdirs[:] = [d for d in subdirs if (Path(root) / d).relative_to(out) in dirs]
+        subdirs[:] = [d for d in subdirs if (Path(root) / d).relative_to(folder) in dirs]
+
+
+# A file's digest by what it is on disk: device, inode, size, and the times of its last write and of its last change of
+# any kind. A file whose five are as they were when it was hashed holds the bytes hashed (writing it moves ctime, which
+# no user can set back; utime() moves it too), so the check right before the swap reads again only what changed since
+# the check before the long part, and a multi-GB OUT is read once a run.
+_hashed: dict[tuple[int, int, int, int, int], str] = {}
+_BLOCK = 1 << 24
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _sha256(path: Path) -> str:
+    """The sha256 of the plain file at `path` (never through a symbolic link)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        before = _stat_key(os.fstat(f.fileno()))
+        if before in _hashed:
+            return _hashed[before]
+        h = hashlib.sha256()
+        while block := f.read(_BLOCK):
+            h.update(block)
+        if _stat_key(os.fstat(f.fileno())) == before:  # not written while it was read: its digest stands
+            _hashed[before] = h.hexdigest()
+        return h.hexdigest()
 
 
 def shard_size(value: int | str) -> int:

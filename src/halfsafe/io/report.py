@@ -7,9 +7,13 @@ and everything measured to choose and check it); `halfsafe finetune` the same an
 `halfsafe apply` an `Applied` (a saved plan re-applied, and the scan after it). The model card (`io.card`) is made
 from the same record, so the card and the file cannot say different things.
 
-Last comes `files`: every file halfsafe wrote in the folder, with its size (`seal`, once everything is written;
-`export onnx` and `convert --to onnx` list theirs again). `--overwrite` replaces a folder only while it holds nothing
-else; a record without the list (written before it) is read as before.
+Last comes `files`: every file halfsafe wrote in the folder, with its size and its sha256 (`seal`, once everything
+is written; `export onnx` and `convert --to onnx` list theirs again). `--overwrite` replaces a folder only while it
+holds nothing else and every file holds the bytes listed (io.checkpoint). A record written before the digests (sizes
+only) or before the list still reads as a record; --overwrite refuses to replace its folder (it cannot tell a file
+halfsafe wrote from one saved over it at the same size). The listing's new shape is no new format: what the format
+number guards (the plan, read by `apply` and serving engines; the measurements) is as it was, and an older halfsafe
+meeting the new listing refuses the record in one line, so its --overwrite leaves the folder as it is.
 
 The file is versioned as the plan is: `format`, left out while it is 1 (as format-1 plans left theirs out, and
 every halfsafe.json so far is format 1); a reader refuses a newer format than it knows in one line. The keys are
@@ -176,7 +180,9 @@ class Record:
     versions: Versions = field(default_factory=Versions.current)
     format: int = RECORD_FORMAT
     fingerprint: dict | None = None  # what was written (halfsafe_serve.fingerprint), set by `write`; before `files`
-    files: dict[str, int] | None = None  # every file halfsafe wrote in the folder but this one: path -> bytes (`listed`)
+    # every file halfsafe wrote in the folder but this one: path -> {"bytes", "sha256"} (`files_in`); a record from
+    # before the digests holds path -> bytes
+    files: dict[str, dict | int] | None = None
 
     def __post_init__(self) -> None:
         if (self.conversion is None) == (self.applied is None) or (self.finetuned and not self.conversion):
@@ -206,7 +212,7 @@ class Record:
         fingerprint = d["fingerprint"] if isinstance(d.get("fingerprint"), dict) else None
         files = d.get("files")
         if files is not None and not _is_listing(files):
-            _refuse("its files are not a list of file names and sizes")
+            _refuse("its files are not a list of file names with their sizes and digests")
         try:
             if "applied_plan_from" in d:
                 return cls(str(d.get("source")), applied=Applied.from_dict(d), versions=Versions.from_dict(d), format=version,
@@ -242,32 +248,49 @@ def read(path: str | Path) -> Record:
     return Record.from_dict(d)
 
 
+def _is_size(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_entry(v: object) -> bool:
+    """A listed file: {"bytes": size, "sha256": 64 lowercase hex digits}, or a size alone (a record from before the
+    digests)."""
+    if _is_size(v):
+        return True
+    return (isinstance(v, dict) and sorted(v) == ["bytes", "sha256"] and _is_size(v["bytes"])
+            and isinstance(v["sha256"], str) and len(v["sha256"]) == 64 and all(c in "0123456789abcdef" for c in v["sha256"]))
+
+
 def _is_listing(files: object) -> bool:
-    return isinstance(files, dict) and all(
-        isinstance(k, str) and k and isinstance(v, int) and not isinstance(v, bool) and v >= 0 for k, v in files.items())
+    return isinstance(files, dict) and all(isinstance(k, str) and k and _is_entry(v) for k, v in files.items())
 
 
-def files_in(folder: Path) -> dict[str, int]:
+def files_in(folder: Path) -> dict[str, dict]:
     """Every plain file under `folder` but its halfsafe.json (and a mark io.owned keeps there while it is written), as
-    relative path -> size, in sorted order; symbolic links are not followed."""
+    relative path -> {"bytes": size, "sha256": digest}, in sorted order; symbolic links are not followed. A weight file
+    the write hashed as it went out is not read again (halfsafe_serve.fingerprint.remember)."""
+    from halfsafe_serve.fingerprint import sha256_file
+
     folder = Path(folder)
     found = {}
     for root, _dirs, names in os.walk(folder):
         for name in names:
             path = Path(root) / name
             rel = path.relative_to(folder).as_posix()
-            if rel in (FILE, FOLDER_MARK) or not stat.S_ISREG(os.lstat(path).st_mode):
+            st = os.lstat(path)
+            if rel in (FILE, FOLDER_MARK) or not stat.S_ISREG(st.st_mode):
                 continue
-            found[rel] = os.lstat(path).st_size
+            found[rel] = {"bytes": st.st_size, "sha256": sha256_file(path)}
     return dict(sorted(found.items()))
 
 
 def seal(folder: Path) -> None:
     """Write into `folder`/halfsafe.json, once everything halfsafe writes there is written, what the folder now holds:
-    the files (`Record.files`: --overwrite replaces the folder only while it holds no other file) and, where the record
-    has one, the fingerprint of its weights and config (config.json is edited after the record for transformers.js by
-    `convert --to onnx`; an ONNX export holds no weights, so its copied record loses the fingerprint). Every other key
-    keeps its place and its bytes; a halfsafe.json that is not a record (or none) is left as it is."""
+    the files with their digests (`Record.files`: --overwrite replaces the folder only while it holds these bytes and
+    no other file) and, where the record has one, the fingerprint of its weights and config (config.json is edited
+    after the record for transformers.js by `convert --to onnx`; an ONNX export holds no weights, so its copied record
+    loses the fingerprint). Every other key keeps its place and its bytes; a halfsafe.json that is not a record (or
+    none) is left as it is."""
     from halfsafe_serve.fingerprint import KEY, WEIGHTLESS, fingerprint
 
     path = Path(folder) / FILE
