@@ -483,10 +483,11 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
     plan.save(tmp_path / "plan.json")
     after = _scanned(bits, safe)
     monkeypatch.setattr(convert, "scan", r.record("scan", after))
+    read = ("the plan", str(tmp_path / "plan.json"))  # OUT may not hold it
     steps = [
-        ("check", ("out", False), {"inputs": input_paths("src")}),
+        ("check", ("out", False), {"inputs": [*input_paths("src"), read]}),
         ("load", ("src",), {"stream": True, "device": "auto"}),
-        ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source")]}),
+        ("check", ("out", False, 12345), {"inputs": [*input_paths("src"), Path("/the/source"), read]}),
         ("fits", (m, plan), {}),  # before the samples and anything slow
         ("samples", ([default_text()], "TOK", 300, 256, 2), {}),  # cut before the work, as for every command (halfsafe.job)
         ("apply", (m, plan), {}),

@@ -291,3 +291,25 @@ def test_any_name_for_a_folder_holding_an_input_is_refused_as_out(src, form, dep
         finally:
             loading.load_model = real
             os.chdir(cwd)
+
+
+def test_the_python_api_keeps_out_off_what_it_reads_too(src, converted, tmp_path, monkeypatch):
+    """apply_checkpoint, finetune_checkpoint and a text read by halfsafe.calibration.read_texts: OUT (replaced with
+    overwrite) may not hold the plan, the state or the text (halfsafe.job.Options.reads), before anything loads."""
+    from halfsafe.calibration import read_texts
+    from halfsafe.convert import apply_checkpoint, convert_checkpoint
+    from halfsafe.errors import HalfsafeError
+    from halfsafe.training.finetune import finetune_checkpoint
+
+    monkeypatch.setattr("halfsafe.io.loading.load_model", _refuse_load)
+    out = shutil.copytree(converted, tmp_path / "out")
+    (out / "state.pt").write_bytes(b"a training state")
+    (out / "calib.txt").write_text("words " * 20)
+    before = folder_hash(out)
+    with pytest.raises(HalfsafeError, match="holds the plan"):
+        apply_checkpoint(str(out / "halfsafe.json"), str(src), str(out), overwrite=True, progress=False)
+    with pytest.raises(HalfsafeError, match="holds the training state"):
+        finetune_checkpoint(str(src), str(out), overwrite=True, resume_from=str(out / "state.pt"), progress=False)
+    with pytest.raises(HalfsafeError, match="holds the text file"):
+        convert_checkpoint(str(src), str(out), texts=read_texts([out / "calib.txt"]), overwrite=True, progress=False)
+    assert folder_hash(out) == before

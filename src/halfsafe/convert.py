@@ -620,6 +620,7 @@ def run_apply(request: ApplyRequest) -> tuple[Plan, ScanReport]:
                             margin_kept=peak.headroom_bits >= plan.headroom_bits)
         return Output((plan, after), Record(str(source), applied=Applied(str(plan_path), plan, peak.abs_max, scanned, storage)))
 
-    options = Options(text=request.text, engine=request.engine, overwrite=request.overwrite, progress=progress)
+    options = Options(text=request.text, engine=request.engine, overwrite=request.overwrite, progress=progress,
+                      reads=(("the plan", plan_path),))
     return run(source, request.out, options, work, check,
                loaded_check=lambda loaded: check_plan(loaded.model, plans[0]))  # a plan that does not fit: before the slow part

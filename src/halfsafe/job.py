@@ -56,6 +56,13 @@ class Options:
     overwrite: bool
     progress: bool
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # "5GB", "500MiB" or bytes (io.checkpoint.shard_size)
+    reads: tuple = ()  # (what, path) of the other files the command reads (apply's plan, --resume-from): OUT holds none
+
+    def inputs(self) -> list:
+        """What OUT may not be, hold or link to besides the model and the tokenizer folder: `reads` and the text files
+        (io.paths.refuse_overlap's inputs)."""
+        texts = [("the text file", t.path) for t in self.text.texts or () if hasattr(t, "path")]  # calibration.TextFile
+        return [*self.reads, *texts]
 
 
 def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: Callable[[], None] | None = None,
@@ -69,11 +76,12 @@ def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: 
     from .io.checkpoint import save_fp16_checkpoint, shard_size
 
     text, engine = options.text, options.engine
-    check_output(source, out, options.overwrite, text.tokenizer)  # the output, then the command's checks, before the slow part
+    reads = options.inputs()
+    check_output(source, out, options.overwrite, text.tokenizer, reads)  # the output, then the command's checks, before the slow part
     if check is not None:
         check()
     max_shard_size = shard_size(options.max_shard_size)
-    loaded = start(source, out, options.overwrite, engine.stream, engine.device, options.progress, text.tokenizer)
+    loaded = start(source, out, options.overwrite, engine.stream, engine.device, options.progress, text.tokenizer, reads)
     if loaded_check is not None:
         loaded_check(loaded)
     job, tokenizer = calibration(loaded, text.text_list, text.seq_len, text.max_samples, extra)
@@ -84,16 +92,16 @@ def run(source, out, options: Options, work: Callable[[Job], Output[T]], check: 
     return done.result
 
 
-def check_output(source, out, overwrite: bool, tokenizer=None) -> None:
-    """OUT may be written (or replaced, with overwrite) and is not the model (or the --tokenizer folder) or inside
-    it: before anything slow."""
+def check_output(source, out, overwrite: bool, tokenizer=None, reads=()) -> None:
+    """OUT may be written (or replaced, with overwrite) and is not the model (or the --tokenizer folder, or any of
+    `reads`: (what, path)) or inside it, nor holds one: before anything slow."""
     from .io.checkpoint import check_out_dir
     from .io.loading import input_paths
 
-    check_out_dir(out, overwrite, inputs=[*input_paths(source), *([tokenizer] if tokenizer else [])])
+    check_out_dir(out, overwrite, inputs=[*input_paths(source), *([tokenizer] if tokenizer else []), *reads])
 
 
-def start(source, out, overwrite: bool, stream: bool, device, progress: bool, tokenizer=None) -> LoadedModel:
+def start(source, out, overwrite: bool, stream: bool, device, progress: bool, tokenizer=None, reads=()) -> LoadedModel:
     """The model loaded and its family known, the disk checked for the output (`check_output` came first)."""
     from .families import family_for
     from .io.checkpoint import check_out_dir, output_bytes
@@ -103,7 +111,7 @@ def start(source, out, overwrite: bool, stream: bool, device, progress: bool, to
         loaded = load_model(source, stream=stream, device=device, **({"tokenizer": tokenizer} if tokenizer else {}))
     family_for(loaded.model.config.model_type)  # unsupported architectures fail before the work
     check_out_dir(out, overwrite, output_bytes(loaded.model), inputs=[*input_paths(source), loaded.folder,
-                                                                     *([tokenizer] if tokenizer else [])])  # and a small disk
+                                                                     *([tokenizer] if tokenizer else []), *reads])  # and a small disk
     return loaded
 
 

@@ -443,7 +443,7 @@ def run_finetune(request: FinetuneRequest):
 
     # training holds every weight: never streamed
     options = Options(text=request.text, engine=EngineOptions(stream=False, device=request.device), overwrite=request.overwrite,
-                      progress=progress)
+                      progress=progress, reads=(("the training state", resume_from),) if resume_from else ())
     done = run(source, out, options, work, check)
     if not resume_from:
         _remove_partial(out)
