@@ -1,12 +1,14 @@
-"""Helpers for tests on hostile input: a folder's hash, a one-line refusal, a fresh copy of a tiny checkpoint, and
-plans for it as halfsafe writes them."""
+"""Helpers for tests on hostile input: a folder's hash, a one-line refusal, a fresh copy of a tiny checkpoint, plans
+for it as halfsafe writes them, and a call that must not block on a FIFO."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
+import pytest
 from tiny import make_tiny
 
 from halfsafe.cli import main
@@ -59,3 +61,30 @@ def tiny_plan(residual: int = -1) -> dict:
     family = family_for("llama")
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     return Plan.build(family.name, "llama", expand(family, m), {"residual": residual}, 2.0, None, shapes).to_dict()
+
+
+def returns_within(call, fifos: list[Path], seconds: float = 60):
+    """`call()`'s value, run on a thread; fails the test where it has not returned within `seconds` (a read blocked on
+    a FIFO: the FIFOs are then opened for writing and closed, so the blocked reader sees an end and the thread ends)."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # noqa: BLE001 (reported below, on the test's thread)
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in fifos:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader waiting on it: it reads an end now
+            except OSError:
+                pass
+        thread.join(30)
+        pytest.fail(f"blocked on a FIFO for {seconds} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

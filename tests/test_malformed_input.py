@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from hostile import SHORT, copy_of, folder_hash, refused, tiny_plan
+from hostile import SHORT, copy_of, folder_hash, refused, returns_within, tiny_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsclient import save_char_tokenizer
@@ -175,33 +174,6 @@ def test_a_tensor_of_a_dtype_halfsafe_does_not_read_is_one_line(tiny, plan, tmp_
 FIFO_NAMES = ["config.json", "generation_config.json", "tokenizer_config.json", "preprocessor_config.json",
               "special_tokens_map.json", "tokenizer.json", "tokenizer.model", "chat_template.jinja", "model.safetensors",
               "model.safetensors.index.json", "model-00001-of-00002.safetensors", "halfsafe.json", "model.gguf"]
-
-
-def returns_within(call, fifos: list[Path], seconds: float = 60):
-    """`call()`'s value, run on a thread; fails the test where it has not returned within `seconds` (a read blocked on
-    a FIFO: the FIFOs are then opened for writing and closed, so the blocked reader sees an end and the thread ends)."""
-    result = {}
-
-    def run():
-        try:
-            result["value"] = call()
-        except BaseException as e:  # noqa: BLE001 (reported below, on the test's thread)
-            result["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        for fifo in fifos:
-            try:
-                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader waiting on it: it reads an end now
-            except OSError:
-                pass
-        thread.join(30)
-        pytest.fail(f"blocked on a FIFO for {seconds} s")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 @pytest.mark.parametrize("name", FIFO_NAMES)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile import SHORT, copy_of, folder_hash, refused
+from hostile import SHORT, copy_of, folder_hash, refused, returns_within
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 from transformers import LlamaForCausalLM
@@ -181,7 +181,7 @@ def converted(pair, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("extra", ["model-backup.safetensors", "index+shards"])
+@pytest.mark.parametrize("extra", ["model-backup.safetensors", "index+shards", "fifo", "fifo-over-model"])
 def test_the_fingerprint_refuses_a_weight_file_it_did_not_cover(pair, converted, tmp_path, extra):
     """A folder halfsafe wrote, with another model's weights beside its own (a backup, an index and shards that a
     loader might take instead, a FIFO named like a weight file): not the folder halfsafe fingerprinted, in one line
@@ -197,9 +197,13 @@ def test_the_fingerprint_refuses_a_weight_file_it_did_not_cover(pair, converted,
     elif extra == "fifo":
         os.mkfifo(folder / "model-extra.safetensors")
         named = "model-extra.safetensors"
+    elif extra == "fifo-over-model":  # in the record's own name: refused before anything is hashed
+        (folder / "model.safetensors").unlink()
+        os.mkfifo(folder / "model.safetensors")
+        named = "model.safetensors"
     else:
         _save(pair[2], folder / extra)
         named = extra
     with pytest.raises(NotVerified) as e:
-        verified_record(folder)
+        returns_within(lambda: verified_record(folder), [folder / named])
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -24,8 +24,9 @@ _known: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
 
 
 def covered(folder: Path) -> list[str]:
-    """The names of the files in `folder` the fingerprint covers, sorted."""
-    return sorted({p.name for pattern in _COVERED for p in Path(folder).glob(pattern) if p.is_file()})
+    """The names of the files in `folder` the fingerprint covers, sorted: every entry so named but a folder (a FIFO
+    named model-extra.safetensors is one a loader would open; it is counted, never opened)."""
+    return sorted({p.name for pattern in _COVERED for p in Path(folder).glob(pattern) if not p.is_dir()})
 
 
 def _stat_key(path: Path) -> tuple[str, int, int]:
@@ -109,6 +110,9 @@ def verified_record(folder: str | Path, digests: dict | None = None) -> dict:
         what = "; ".join(s for s in (f"missing {', '.join(missing)}" if missing else "",
                                       f"not written by halfsafe: {', '.join(extra)}" if extra else "") if s)
         raise NotVerified(f"{folder}'s weights are not the ones its {FILE} describes ({what}); {_APPLY}")
+    for name in present:
+        if not (folder / name).is_file():  # a FIFO, a device, a dangling link: never opened (a FIFO blocks its reader)
+            raise NotVerified(f"{folder}/{name} is not a regular file, so not the file halfsafe wrote; {_APPLY}")
     for name in present:
         digest = (digests or {}).get(name) or sha256_file(folder / name)
         if digest != recorded[name]:
