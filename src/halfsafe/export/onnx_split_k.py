@@ -181,10 +181,10 @@ def _split_one(graph, node, groups: int, kind: str) -> bool:
 def _replace(graph, node, bld, result) -> bool:
     out = node.outputs[0]
     graph.insert_before(node, bld.nodes)
-    out.replace_all_uses_with(result)
-    if out.is_graph_output():
+    if out.is_graph_output():  # first: onnx_ir refuses to replace the uses of a graph output
         graph.outputs[graph.outputs.index(out)] = result
         result.name, out.name = out.name, f"{out.name}_unsplit"
+    out.replace_all_uses_with(result)
     graph.remove(node, safe=True)
     return True
 
