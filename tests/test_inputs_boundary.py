@@ -9,14 +9,18 @@ from __future__ import annotations
 import string
 
 import pytest
+import test_inputs_complete
 from hostile import SHORT, folder_hash, refused
 from safetensors.torch import load_file, save_file
-from test_inputs_complete import save_offset_tokenizer, slow_part, weights_loaded  # noqa: F401 (fixtures)
+from test_inputs_complete import save_offset_tokenizer
 
 from halfsafe.calibration import make_samples
 from halfsafe.errors import HalfsafeError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+slow_part, weights_loaded = test_inputs_complete.slow_part, test_inputs_complete.weights_loaded  # its fixtures, here too
+
+
 # ----- a mixture of experts lacking one expert's tensors -------------------------------------------------------------
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]  # tiny MoE checkpoints stored one tensor per expert
@@ -25,7 +29,7 @@ MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]  # tiny MoE checkpoin
 @pytest.mark.parametrize("whole", [False, True], ids=["streamed", "whole"])
 @pytest.mark.parametrize("drop", ["one-tensor", "whole-expert"])
 @pytest.mark.parametrize("key", MOE)
-def test_an_moe_checkpoint_lacking_an_expert_is_refused_naming_the_tensor(tmp_path, capsys, slow_part, weights_loaded, key,  # noqa: F811
+def test_an_moe_checkpoint_lacking_an_expert_is_refused_naming_the_tensor(tmp_path, capsys, slow_part, weights_loaded, key,
                                                                           drop, whole):
     """transformers merges the per-expert tensors into one weight on load; one expert's missing is refused from the
     headers, before any weight is loaded, naming the stored tensor(s) the checkpoint lacks (not the merged name)."""

@@ -1,7 +1,9 @@
 """Where a model folder ends: every file a checkpoint names must resolve, symlinks followed, to a place inside it.
 
 The path half of the trust boundary (io/trust.py is the whole of it). It imports nothing of halfsafe's but its error
-and filetypes (which imports nothing else), so every layer can use it: the engine's shard reader resolves each shard here, below io/, which drives the engine.
+and filetypes (which imports nothing else), so every layer can use it: the engine's shard reader resolves each shard
+here, below io/, which drives the engine. `model_file` is where a file of the folder is known to be a regular file
+before anything opens it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 The files and tensors are the ones transformers' loader reads (engine.weight_files); halfsafe never unpickles: a
 folder holding only `.bin`/`.pt` weights is refused with the command that turns it into safetensors. A shard named
 in the index but absent, a file whose header does not parse, a tensor of a type halfsafe does not read, is a
-one-line error before any work starts. Every file the checkpoint names is resolved inside the folder (`model_folder.inside`), and
-a shard larger than this machine can map is refused before it is opened.
+one-line error before any work starts. Every file the checkpoint names is resolved inside the folder
+(`model_folder.inside`), and a shard larger than this machine can map is refused before it is opened.
 """
 
 from __future__ import annotations
