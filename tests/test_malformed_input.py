@@ -99,8 +99,13 @@ def _with_config(folder: Path, field: str | None, value) -> None:
     (folder / "config.json").write_text(json.dumps(value if field is None else {**config, field: value}))
 
 
-@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
-@pytest.mark.parametrize("command", ["scan", "convert", "convert --whole", "verify", "apply", "finetune", "export onnx"])
+COMMANDS = ["scan", "convert", "convert --whole", "verify", "apply", "finetune", "export onnx"]
+# every case on scan; one of each kind (the whole file, a type, a range, a model no skeleton holds) on every command
+EVERY = ["a JSON list", "quoted layers", "negative layers", "padding id past the vocabulary"]
+
+
+@pytest.mark.parametrize("case, command", [(c, "scan") for c in sorted(CONFIG_CASES)] +
+                         [(c, m) for c in EVERY for m in COMMANDS if m != "scan"])
 def test_a_malformed_config_is_one_line_on_every_command(tiny, plan, tmp_path, capsys, no_slow_part, case, command):
     field, value, says = CONFIG_CASES[case]
     folder = copy_of(tiny, tmp_path / "model")
@@ -157,7 +162,7 @@ def test_any_json_in_a_config_field_scans_or_is_refused_in_one_line(tiny, tmp_pa
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
-@pytest.mark.parametrize("command", ["scan", "convert", "convert --whole", "verify", "apply", "finetune", "export onnx"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_a_tensor_of_a_dtype_halfsafe_does_not_read_is_one_line(tiny, plan, tmp_path, capsys, no_slow_part, dtype, command):
     folder = copy_of(tiny, tmp_path / "model")
     tensors = load_file(folder / "model.safetensors")
