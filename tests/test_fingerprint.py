@@ -506,6 +506,19 @@ def test_a_cache_file_not_this_users_alone_or_malformed_is_ignored(converted, tm
         verified_cache.verified(folder)
 
 
+def test_the_cache_file_keeps_the_most_recently_verified_folders(converted, tmp_path, monkeypatch, own_cache):
+    monkeypatch.setattr(verified_cache, "KEEP", 2)
+    """The file keeps the KEEP folders hashed last: one hashed again (a file touched) is the newest."""
+    folders = [shutil.copytree(converted / "converted", tmp_path / f"out{i}") for i in range(3)]
+    for i in (0, 1, 1, 0, 2):  # the second out1: known from the file
+        if i == 0 and (own_cache / verified_cache.NAME).exists():
+            os.utime(folders[0] / "config.json")
+        verified_cache.verified(folders[i])
+        monkeypatch.setattr(verified_cache, "_memory", {})
+    kept = json.loads((own_cache / verified_cache.NAME).read_text())["folders"]
+    assert list(kept) == [str(folders[0].resolve()), str(folders[2].resolve())]
+
+
 def test_cached_digests_are_still_compared_with_the_record(converted, tmp_path, own_cache):
     """An entry whose identities hold but whose digests are not the ones halfsafe.json records verifies nothing."""
     folder = shutil.copytree(converted / "converted", tmp_path / "out")
