@@ -30,6 +30,7 @@ REFUSED = ("gemma2", "gemma3_text", "glm4")  # in vLLM's _FLOAT16_NOT_SUPPORTED_
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41, 42, 43]]
 NEW = 8
 APPLY = "halfsafe apply"
+SERVE_HANG = 1800  # seconds: how long `vllm serve` may neither answer nor exit before the test calls it hung
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +221,8 @@ def test_vllm_serve_openai_completion_returns_the_same_tokens(vllm_python, resul
                 urllib.request.urlopen(f"{base}/health", timeout=2)
                 break
             except OSError:
-                assert time.perf_counter() - start < 300, "vllm serve did not come up in 300 s"
+                # a bound on a hung server only (one that fails exits, above): no measure of how fast it starts
+                assert time.perf_counter() - start < SERVE_HANG, f"vllm serve neither came up nor exited in {SERVE_HANG} s"
                 time.sleep(0.5)
         body = {"model": str(folder), "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0, "logprobs": 1,
                 "return_tokens_as_token_ids": True, "ignore_eos": True}
