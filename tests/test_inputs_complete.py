@@ -339,7 +339,7 @@ def test_the_tokenizer_folder_is_checked_as_model_is(tiny, tmp_path, capsys, slo
         says = "no such folder"
     else:
         out = tok / "out"
-        says = "inside the model folder"
+        says = "inside the tokenizer folder"
     before = folder_hash(tok) if tok.exists() else None
     refused(capsys, ["convert", str(tiny), str(out), *SHORT, "--tokenizer", str(tok)], says)
     assert not out.exists() and not slow_part and (before is None or folder_hash(tok) == before)

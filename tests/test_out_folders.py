@@ -580,6 +580,29 @@ def test_an_unchanged_out_is_read_once_a_run(tiny, converted, tmp_path, monkeypa
     assert len(hashed) == len(report.read(converted).files)  # each of the old OUT's files, once
 
 
+@PROPERTY
+@given(data=st.data())
+def test_any_byte_changed_in_any_listed_file_keeps_out(converted, data):
+    """One byte of any file halfsafe listed, anywhere in it, changed in place (its size as it was): --overwrite
+    refuses OUT, naming that file, and leaves it as it is."""
+    names = sorted(report.read(converted).files)
+    name = data.draw(st.sampled_from(names))
+    with tempfile.TemporaryDirectory() as root:
+        out = shutil.copytree(converted, Path(root) / "out")
+        size = (out / name).stat().st_size
+        at, flip = data.draw(st.integers(0, size - 1)), data.draw(st.integers(1, 255))
+        check_out_dir(out, overwrite=True)  # as it was: replaceable (and each file hashed, as before a real run)
+        with open(out / name, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ flip]))
+        before = folder_hash(out)
+        with pytest.raises(HalfsafeError, match=f"{name} changed since halfsafe wrote it"):
+            check_out_dir(out, overwrite=True)
+        assert folder_hash(out) == before and (out / name).stat().st_size == size
+
+
 # --- this process's own leftovers ---------------------------------------------------------------------------------
 
 

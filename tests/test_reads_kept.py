@@ -77,6 +77,8 @@ def _cases(model: Path, converted: Path, root: Path) -> list[tuple[list[str], tu
     tok = copy_of(model, root / "tok")
     prior = shutil.copytree(converted, root / "prior")  # an OUT of an earlier run, holding an input of this one
     shutil.copy2(text, prior / "notes.txt")
+    linked = shutil.copytree(converted, root / "linked")  # an OUT holding another name of the text
+    os.link(text, linked / "calib-link.txt")
     os.link(text, root / "linked.txt")
     (root / "to-text.json").symlink_to(text)
     (root / "to-texts").symlink_to(text.parent, target_is_directory=True)
@@ -95,6 +97,7 @@ def _cases(model: Path, converted: Path, root: Path) -> list[tuple[list[str], tu
         (["convert", m, str(text.parent), "--text", t, "--overwrite"], ("folder that holds the text file",)),
         (["convert", m, str(prior), "--text", str(prior / "notes.txt"), "--overwrite"], ("folder that holds the text file",)),
         (["convert", m, out, "--text", t, "--json", str(root / "linked.txt")], ("hard link to the text file",)),
+        (["convert", m, str(linked), "--text", t, "--overwrite"], ("holds calib-link.txt, which is a hard link to the text",)),
         (["convert", m, out, "--json", str(root / "out" / "r.json")], ("--json", "inside the output folder")),
         (["convert", m, out, "--plot", str(root / "p.png"), "--json", str(root / "p.png")], ("name the same file",)),
         (["convert", m, out, "--tokenizer", str(tok), "--json", str(tok / "r.json")], ("inside the tokenizer folder",)),
