@@ -18,6 +18,7 @@ import math
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 
@@ -30,7 +31,7 @@ REFUSED = ("gemma2", "gemma3_text", "glm4")  # in vLLM's _FLOAT16_NOT_SUPPORTED_
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41, 42, 43]]
 NEW = 8
 APPLY = "halfsafe apply"
-SERVE_HANG = 1800  # seconds: how long `vllm serve` may neither answer nor exit before the test calls it hung
+SERVE_HANG = 900  # seconds: how long `vllm serve` may neither answer nor exit before the test calls it hung
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +211,21 @@ def test_vllm_serve_openai_completion_returns_the_same_tokens(vllm_python, resul
            "--port", str(port), "--max-model-len", "128", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
            "--seed", "0"]
     start = time.perf_counter()
-    server = subprocess.Popen(cmd, env=vllmenv.env(meta, folders["cache"]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # the server's log goes to a file, never a pipe: a pipe nobody reads while the server starts fills (64 KiB) and
+    # blocks it, which would look like a hang
+    log_file = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen(cmd, env=vllmenv.env(meta, folders["cache"]), stdout=log_file, stderr=subprocess.STDOUT,
                               text=True)
+
+    def server_log() -> str:
+        log_file.seek(0)
+        return log_file.read()
+
     try:
         base = f"http://127.0.0.1:{port}"
         while True:
             if server.poll() is not None:
-                pytest.fail(f"vllm serve exited {server.returncode}:\n{server.stdout.read()[-4000:]}")
+                pytest.fail(f"vllm serve exited {server.returncode}:\n{server_log()[-4000:]}")
             try:
                 urllib.request.urlopen(f"{base}/health", timeout=2)
                 break
@@ -234,7 +243,8 @@ def test_vllm_serve_openai_completion_returns_the_same_tokens(vllm_python, resul
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-        log = server.stdout.read()
+        log = server_log()
+        log_file.close()
     print(f"\nvllm serve: up and answered in {time.perf_counter() - start:.1f} s")
     tokens = [int(t.removeprefix("token_id:")) for t in answer["choices"][0]["logprobs"]["tokens"]]
     assert tokens == got[("run", "gemma3_text")]["outputs"][0]["tokens"]
