@@ -35,13 +35,15 @@ def cache_file() -> Path:
     return Path(os.environ.get("HALFSAFE_CACHE", Path.home() / ".cache" / "halfsafe")).expanduser() / NAME
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What a file is on disk: device, inode, size, and the times of its last write and of its last change of any kind
+    (writing moves ctime, which no user can set back): while all five stay, its bytes are the ones last read."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def identities(folder: Path) -> dict[str, list[int]]:
-    """{name: [st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns]} of halfsafe.json and every covered file."""
-    out = {}
-    for name in (FILE, *covered(folder)):
-        st = os.stat(Path(folder) / name)
-        out[name] = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    return out
+    """{name: file_identity} of halfsafe.json and every covered file."""
+    return {name: list(file_identity(os.stat(Path(folder) / name))) for name in (FILE, *covered(folder))}
 
 
 def verified(folder: str | Path) -> dict:

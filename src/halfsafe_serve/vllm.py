@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from .fingerprint import NotVerified
-from .verified import verified
+from .verified import file_identity, verified
 
 # under vLLM's logger, so its handler and format apply
 log = logging.getLogger("vllm.plugins.halfsafe")
@@ -153,8 +153,7 @@ def _short(value, width: int = 60) -> str:
 
 
 def _config_identity(folder: Path) -> tuple:
-    st = os.stat(folder / "config.json")
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return file_identity(os.stat(folder / "config.json"))
 
 
 def local_folder(model_id, revision: str | None = None) -> Path | None:

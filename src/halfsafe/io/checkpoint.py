@@ -22,6 +22,8 @@ from typing import Callable
 from safetensors import SafetensorError
 from transformers import PreTrainedModel
 
+from halfsafe_serve.verified import file_identity
+
 from ..engine.write import DEFAULT_MAX_SHARD_SIZE, save_fp16
 from ..errors import HalfsafeError
 from . import card, owned, report
@@ -294,21 +296,17 @@ _hashed: dict[tuple[int, int, int, int, int], str] = {}
 _BLOCK = 1 << 24
 
 
-def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
 def _sha256(path: Path) -> str:
     """The sha256 of the plain file at `path` (never through a symbolic link)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
-        before = _stat_key(os.fstat(f.fileno()))
+        before = file_identity(os.fstat(f.fileno()))
         if before in _hashed:
             return _hashed[before]
         h = hashlib.sha256()
         while block := f.read(_BLOCK):
             h.update(block)
-        if _stat_key(os.fstat(f.fileno())) == before:  # not written while it was read: its digest stands
+        if file_identity(os.fstat(f.fileno())) == before:  # not written while it was read: its digest stands
             _hashed[before] = h.hexdigest()
         return h.hexdigest()
 
