@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+import test_inputs_complete
 import torch
 from hostile import SHORT, copy_of, folder_hash, refused, returns_within, tiny_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jsclient import save_char_tokenizer
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny
 
@@ -26,14 +26,7 @@ from halfsafe.errors import HalfsafeError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """Tiny llama with a tokenizer and a generation config, as a released checkpoint ships them."""
-    folder = tmp_path_factory.mktemp("tiny") / "llama"
-    model = make_tiny("llama")
-    model.save_pretrained(folder)
-    save_char_tokenizer(folder, model.config)
-    return folder
+tiny = test_inputs_complete.tiny  # its fixture: a tiny llama with a tokenizer, as a released checkpoint ships them
 
 
 @pytest.fixture(scope="module")
