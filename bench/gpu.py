@@ -25,6 +25,10 @@ what it measured). Disk: 2 bytes a parameter for the synthetic and as much for t
 installed, e.g. a venv made with `pip install vllm` then `pip install -e .`): bench/vllm_cpu.py's rows, the converted
 folder in float16 (halfsafe's plugin), the original in bfloat16 (refused on GPUs without it: the row says so) and
 float32; top-1, logprob and KL against transformers fp32, tokens per second.
+
+RL in fp16 on the GPU (GRPO, TRL with colocated vLLM; real AMP there, vLLM's CUDA kernels): `python bench/rl_fp16.py
+--vllm-python PY --out bench/results/rl_fp16_gpu.json`, PY a Python with CUDA builds of torch and vLLM, trl==1.16.0
+and halfsafe installed.
 """
 
 from __future__ import annotations
