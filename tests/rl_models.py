@@ -33,9 +33,7 @@ import torch
 from jsclient import save_char_tokenizer
 from stress import CHANNELS, FP16_MAX
 from transformers import Gemma4TextConfig, PreTrainedModel
-from vllmenv import tiny_for_vllm
-
-from halfsafe.io.loading import model_class_for
+from vllmenv import randomised, tiny_for_vllm
 
 CHANNEL = CHANNELS[0]  # the massive residual channel
 ROWS = (5, 37, 70, 101)  # the intermediate rows of gate_proj/up_proj that read it (inside 128, the narrowest MLP)
@@ -66,23 +64,9 @@ def gemma4_e2b_like(seed: int = 0) -> tuple[PreTrainedModel, object]:
         layer_types=["sliding_attention", "full_attention"] * 2, vocab_size_per_layer_input=256,
         hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=30.0,
         pad_token_id=0, attn_implementation="eager", architectures=["Gemma4ForCausalLM"])
-    model = _randomised(config, seed)
+    model = randomised(config, seed)
     _massive_mlp(model, one_plus=False)
     return model, tokenizer(model)
-
-
-@torch.no_grad()
-def _randomised(config, seed: int) -> PreTrainedModel:
-    """A model of `config` randomised as tests/tiny.make_tiny does (gains and biases too), rounded to bfloat16."""
-    torch.manual_seed(seed)
-    model = model_class_for(config)(config).float().eval()
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.add_(torch.randn_like(p) * 0.1)
-        elif not p.any():
-            p.normal_(0, 0.02)
-        p.copy_(p.bfloat16().float())
-    return model
 
 
 @torch.no_grad()

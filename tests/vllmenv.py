@@ -73,14 +73,20 @@ def tiny_for_vllm(key: str, seed: int = 0):
     """tests/tiny's `key` with head_dim 32 (vLLM's CPU attention has no 16), randomised as tiny.make_tiny does."""
     from tiny import TINY
 
-    from halfsafe.io.loading import model_class_for
-
-    torch.manual_seed(seed)
     config = TINY[key]()
     text = config.get_text_config()
     text.head_dim = 32
     if getattr(text, "query_pre_attn_scalar", None):
         text.query_pre_attn_scalar = 32
+    return randomised(config, seed)
+
+
+@torch.no_grad()
+def randomised(config, seed: int = 0):
+    """A model of `config` randomised as tests/tiny.make_tiny does (gains and biases too), rounded to bfloat16."""
+    from halfsafe.io.loading import model_class_for
+
+    torch.manual_seed(seed)
     model = model_class_for(config)(config).float().eval()
     for p in model.parameters():
         if p.dim() == 1:
