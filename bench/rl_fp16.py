@@ -199,6 +199,15 @@ def table(results: dict) -> list[str]:
                      f"{med('mean_abs')[1]:.2e} | {med('k3')[0]:.2e}, {med('k3')[1]:.2e} | {sum(s['nonfinite'] for s in steps)} "
                      f"| {sum(s['skipped'] for s in steps)} | {steps[-1]['rescales']} | {first:.3f} / {last:.3f} "
                      f"| {sum(s['seconds'] for s in steps) / len(steps):.1f} |")
+    ours, theirs = (results["runs"].get(k, {}).get("steps") or [] for k in ("halfsafe_fp16", "original_bf16"))
+    pairs = [(a, b) for a, b in zip(ours, theirs) if a["step"] == b["step"]]
+    if pairs:
+        lines += ["", "Step by step, original_bf16's mismatch over halfsafe_fp16's (same step, same seed; each run samples its own "
+                      "rollouts):", "", "| figure | lowest ratio | median ratio | steps at 10x or more |", "|---|---:|---:|---:|"]
+        for key in ("mean_abs", "k3"):
+            ratios = sorted(b[key] / a[key] for a, b in pairs if a[key] and a[key] > 0 and math.isfinite(b[key]))
+            if ratios:
+                lines.append(f"| {key} | {ratios[0]:.1f}x | {ratios[len(ratios) // 2]:.1f}x | {sum(r >= 10 for r in ratios)} of {len(ratios)} |")
     return lines
 
 
