@@ -203,7 +203,7 @@ class Fp16RL:
             self.headroom.applied_exponents = dict(plan)
             self.headroom.eps = {k: v for k, v in trainer.model.config.to_dict().items() if "eps" in k and isinstance(v, float)}
         self.headroom.attach(trainer)
-        self._grads = _GradPeaks(trainer.model, self.headroom)
+        self._grads = _GradPeaks(trainer.model)
         self._pending_mismatch: list[dict] = []
         self._eps = _eps_fields(trainer.model.config)
         self._t0 = None
@@ -332,9 +332,8 @@ class Fp16RL:
 class _GradPeaks:
     """The largest |gradient| reaching each watched site's output in one step's backward (grad-enabled forwards only)."""
 
-    def __init__(self, model, headroom):
+    def __init__(self, model):
         self.model = model
-        self.headroom = headroom
         self.peaks: dict[str, torch.Tensor] = {}
         self._handles: list = []
 
