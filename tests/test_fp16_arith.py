@@ -101,6 +101,21 @@ def test_emulation_replaces_only_float16_matrix_products():
     assert torch.equal(y, (x.float() @ w.float().t()).half())
 
 
+def test_bfloat16_products_emulated_under_autocast_are_bf16_operands_fp32_sums_one_rounding():
+    """A bfloat16 trainer's products (training.rl's baseline) computed as a GPU's bfloat16 GEMM does; float16
+    products pass through untouched by a bfloat16 mode."""
+    x, w = torch.randn(8, 256), torch.randn(32, 256)
+    with fp16_arith.fp16_arith(fp16_arith.EMULATED, torch.bfloat16) as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nn.functional.linear(x, w)
+        h = x.half() @ w.half().t()
+    want = (x.bfloat16().float() @ w.bfloat16().float().t()).bfloat16()
+    assert mode.calls == 1 and y.dtype == torch.bfloat16 and h.dtype == torch.float16
+    assert torch.equal(y, want)
+    native = x.bfloat16() @ w.bfloat16().t()  # PyTorch's own kernel: the same up to the order of float32 sums
+    assert float((native.float() - y.float()).abs().max()) <= 2 * 2.0 ** -7 * float(y.float().abs().max())
+
+
 @pytest.mark.parametrize("key", ["llama", "gemma3_text", "gpt2", "gpt_oss", "t5"])  # Linear, Conv1D (x @ W), experts
 def test_operands_widened_into_the_kept_buffer_give_the_same_bits(key, monkeypatch):
     """Every operand through the mode's one float32 buffer (the threshold at 0): the logits bit for bit those of a

@@ -9,6 +9,9 @@ PyTorch's float16 matrix kernels run about 7x slower than its float32 ones (9 ag
 oneDNN held to AVX512_CORE; with AVX512-FP16 they are as fast), so only those are replaced: mm, addmm, bmm, baddbmm,
 grouped mm and convolution, when every floating operand is a float16 CPU tensor. Every other op, and every tensor
 between ops, stays float16: dtypes, masks, clamps, fp32 islands and overflow are the float16 model's own.
+The same mode computes bfloat16 products for a bfloat16 trainer (`Fp32MatrixKernels(torch.bfloat16)`): a GPU's
+bfloat16 matrix product is bfloat16 operands, float32 sums and one rounding too, and PyTorch's bfloat16 kernels are
+as slow here without AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ MATRIX_OPS = frozenset(getattr(aten, op).default for op in ("mm", "addmm", "bmm"
                        if hasattr(aten, op))  # _grouped_mm (fused MoE experts) is newer than torch 2.1
 
 
-def _half_cpu_operands(args, kwargs) -> bool:
+def _cpu_operands_in(dtype: torch.dtype, args, kwargs) -> bool:
     floats = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    return bool(floats) and all(a.dtype == torch.float16 and a.device.type == "cpu" for a in floats)
+    return bool(floats) and all(a.dtype == dtype and a.device.type == "cpu" for a in floats)
 
 
 # Operands of at least this many elements are widened into one float32 buffer the mode keeps: a fresh tensor that
@@ -63,11 +66,12 @@ def _dense(a: torch.Tensor) -> bool:
 
 
 class Fp32MatrixKernels(TorchDispatchMode):
-    """For the duration, float16 matrix products on the CPU run as float32 kernels on the (exact) float32 values
-    of their operands, the result rounded once to float16. `calls` counts them (what a run reached)."""
+    """For the duration, float16 (or `dtype`'s) matrix products on the CPU run as float32 kernels on the (exact)
+    float32 values of their operands, the result rounded once to that dtype. `calls` counts them (what a run reached)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
+        self.dtype = dtype
         self.calls = 0
         self.reused = 0  # operands widened into the kept buffer (tests read it)
         self._buffer: torch.Tensor | None = None
@@ -76,7 +80,7 @@ class Fp32MatrixKernels(TorchDispatchMode):
     def _up(self, a):
         """`a` in float32 (the same values and strides as `a.float()`): a large operand into the kept buffer, which
         one product at a time borrows (the product reads it and returns a new tensor)."""
-        if not (isinstance(a, torch.Tensor) and a.dtype == torch.float16):
+        if not (isinstance(a, torch.Tensor) and a.dtype == self.dtype):
             return a
         n = a.numel()
         if n < WIDEN_INTO_BUFFER or self._lent or not _dense(a):
@@ -90,14 +94,14 @@ class Fp32MatrixKernels(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in MATRIX_OPS and _half_cpu_operands(args, kwargs):
+        if func in MATRIX_OPS and _cpu_operands_in(self.dtype, args, kwargs):
             self.calls += 1
             calls[func.__name__] += 1
             try:
                 out = func(*tree_map(self._up, args), **tree_map(self._up, kwargs))
             finally:
                 self._lent = False
-            return out.to(torch.float16)
+            return out.to(self.dtype)
         return func(*args, **kwargs)
 
 
@@ -113,11 +117,12 @@ def product_seconds(a: torch.Tensor, b: torch.Tensor, tries: int = 3) -> float:
 
 
 @functools.cache
-def float16_products_slowdown() -> float:
-    """How many times slower PyTorch's float16 matrix product is than its float32 one on this CPU, measured once
-    (best of 3, [128, 1024] x [1024, 512]; about 0.1 s where float16 is slow): about 1 with AVX512-FP16, 7 without."""
+def float16_products_slowdown(dtype: torch.dtype = torch.float16) -> float:
+    """How many times slower PyTorch's float16 (or `dtype`'s) matrix product is than its float32 one on this CPU,
+    measured once (best of 3, [128, 1024] x [1024, 512]; about 0.1 s where it is slow): about 1 with AVX512-FP16,
+    7 to 100 without."""
     x, w = torch.randn(128, 1024), torch.randn(1024, 512)
-    return product_seconds(x.half(), w.half()) / product_seconds(x, w)
+    return product_seconds(x.to(dtype), w.to(dtype)) / product_seconds(x, w)
 
 
 def resolve(asked: str | None, model) -> dict:
@@ -145,7 +150,7 @@ def resolve(asked: str | None, model) -> dict:
 
 
 @contextmanager
-def fp16_arith(used: str):
-    """The arithmetic `used` ("emulated" or "native", as `resolve` says) for the duration."""
-    with Fp32MatrixKernels() if used == EMULATED else nullcontext() as mode:
+def fp16_arith(used: str, dtype: torch.dtype = torch.float16):
+    """The arithmetic `used` ("emulated" or "native", as `resolve` says) for the duration, for `dtype`'s products."""
+    with Fp32MatrixKernels(dtype) if used == EMULATED else nullcontext() as mode:
         yield mode
