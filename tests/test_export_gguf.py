@@ -5,12 +5,20 @@ reading the checkpoint through the one reader of a model folder, so a file it na
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
+import llamaenv
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny
 
+from halfsafe.calibration import default_text
+from halfsafe.cli import main
+from halfsafe.convert import convert_checkpoint
 from halfsafe.errors import HalfsafeError
 from halfsafe.export.gguf import compare_gguf, prepare_for_llama_cpp
 
@@ -55,12 +63,13 @@ def test_a_folder_without_safetensors_is_refused(tmp_path):
         prepare_for_llama_cpp(tmp_path / "empty", tmp_path / "out")
 
 
-def test_compare_gguf_reads_every_tensor_and_the_eps(half_folder, tmp_path):
+def _hand_gguf(path: Path, folder: Path, tensors: dict) -> Path:
+    """A llama GGUF of `tensors` written with the `gguf` package, named and typed as llama.cpp's converter stores
+    them (no rotary permutation: each tensor as is)."""
     gguf = pytest.importorskip("gguf")
-    config = json.loads((half_folder / "config.json").read_text())
-    tensors = load_file(half_folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    writer = gguf.GGUFWriter(path, "llama")
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     for name, w in tensors.items():
         base = name.removesuffix(".weight").removeprefix("model.")
@@ -70,6 +79,219 @@ def test_compare_gguf_reads_every_tensor_and_the_eps(half_folder, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    got = compare_gguf(tmp_path / "tiny.gguf", half_folder)
-    assert got["arch"] == "llama" and got["eps_exact"]
+    return path
+
+
+def test_compare_gguf_reads_every_tensor_and_the_eps(half_folder, tmp_path):
+    tensors = load_file(half_folder / "model.safetensors")
+    got = compare_gguf(_hand_gguf(tmp_path / "tiny.gguf", half_folder, tensors), half_folder)
+    assert got["arch"] == "llama" and got["eps_exact"] and not got["gguf_unchecked"]
     assert got["tensors_compared"] == len(tensors) == got["exact"] and not got["tensors_not_found"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_compare_gguf_finds_any_one_value_changed(half_folder, tmp_path_factory, data):
+    """Any one element of any tensor changed by any float16 bit pattern that is another value: that tensor, and only
+    it, is not exact (what `export gguf` refuses on)."""
+    tensors = load_file(half_folder / "model.safetensors")
+    name = data.draw(st.sampled_from(sorted(tensors)), label="tensor")
+    flat = tensors[name].reshape(-1).clone()
+    i = data.draw(st.integers(0, flat.numel() - 1), label="element")
+    bits = data.draw(st.integers(0, 2**16 - 1), label="float16 bits")
+    new = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).to(flat.dtype)
+    assume(not torch.isnan(new).any() and new.item() != flat[i].item())
+    flat[i] = new.item()
+    changed = {**tensors, name: flat.reshape(tensors[name].shape)}
+    got = compare_gguf(_hand_gguf(tmp_path_factory.mktemp("one") / "x.gguf", half_folder, changed), half_folder)
+    assert [r["tensor"] for r in got["rows"] if not r["exact"]] == [name]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `halfsafe export gguf`: llama.cpp's own converter (scripts/setup-llama-cpp's pinned release), run by llama.cpp itself
+# ---------------------------------------------------------------------------------------------------------------------
+
+FAMILIES = ("llama", "gemma", "gemma2", "gemma3_text", "qwen2", "qwen3", "phi3")  # tiny models llama.cpp runs
+NEW_TOKENS = 8
+LOGIT_BOUND = 2e-3  # llama.cpp's CPU arithmetic (activations rounded to float16 before each F16 product) against fp32
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+    folder, why = llamaenv.environment()
+    if folder is None:
+        pytest.skip(why)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(llama_cpp, tmp_path_factory):
+    """key -> a tiny model saved in bf16 and converted by halfsafe (once per module), with a tokenizer.model that
+    llama.cpp's converter reads."""
+    root = tmp_path_factory.mktemp("gguf")
+    tokenizer = root / "tokenizer.model"
+    llamaenv.sentencepiece_model(llama_cpp, tokenizer, default_text())
+    made = {}
+
+    def make(key: str) -> Path:
+        if key not in made:
+            _tiny(key).to(torch.bfloat16).save_pretrained(root / key / "original")
+            convert_checkpoint(str(root / key / "original"), str(root / key / "converted"), seq_len=32, max_samples=2, progress=False)
+            shutil.copy(tokenizer, root / key / "converted" / "tokenizer.model")
+            made[key] = root / key / "converted"
+        return made[key]
+
+    return make
+
+
+def _tiny(key: str):
+    """tests/tiny's model; Gemma 3 with its real layer layout, five sliding-window blocks then a global one: llama.cpp
+    (this release) reads no layer types from the GGUF and assumes that pattern, where tiny/gemma3.py alternates."""
+    if key != "gemma3_text":
+        return make_tiny(key)
+    from tiny import TINY
+    from vllmenv import randomised
+
+    config = TINY[key]()
+    config.num_hidden_layers, config.layer_types = 6, ["sliding_attention"] * 5 + ["full_attention"]
+    return randomised(config)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (5, 9, 13)]
+
+
+@torch.no_grad()
+def _fp32_logits(folder: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """transformers fp32 on the converted checkpoint's own weights (float16, widened exactly)."""
+    from halfsafe.io.loading import model_class_for, read_config
+
+    model = model_class_for(read_config(folder)).from_pretrained(folder, dtype=torch.float32).eval()
+    return [model(torch.tensor([s])).logits[0].double() for s in sequences]
+
+
+@pytest.mark.parametrize("key", FAMILIES)
+def test_llama_cpp_runs_the_export_as_transformers_fp32(key, converted, tmp_path, capsys):
+    """The CLI's GGUF, loaded by llama.cpp (CPU): its logits on every prompt position and on each greedy step are
+    transformers fp32's of the same converted weights to LOGIT_BOUND, and its greedy tokens are fp32's wherever
+    fp32's top two are further apart than twice that (tiny random models have near-ties)."""
+    folder = converted(key)
+    out = tmp_path / f"{key}.gguf"
+    assert main(["export", "gguf", str(folder), str(out), "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["tensors"] == len(load_file(folder / "model.safetensors")) and not report["not_stored"]
+    got = llamaenv.run(llamaenv.environment()[0], out, prompts := _prompts(json.loads((folder / "config.json").read_text())["vocab_size"]), NEW_TOKENS)
+    refs = _fp32_logits(folder, [p + g["greedy"] for p, g in zip(prompts, got)])
+    checked = 0
+    for prompt, run, ref in zip(prompts, got, refs):
+        n = len(prompt)
+        llama = torch.tensor(run["logits"] + run["greedy_logits"][1:], dtype=torch.float64)  # positions 0 .. n + NEW - 2
+        assert torch.equal(torch.tensor(run["greedy_logits"][0]), torch.tensor(run["logits"][-1]))
+        diff = (llama - ref[: n + NEW_TOKENS - 1, : llama.shape[1]]).abs().max().item()
+        assert diff <= LOGIT_BOUND, f"{key}: llama.cpp's logits differ from fp32's by {diff:.3g}"
+        for i, token in enumerate(run["greedy"]):
+            top2 = ref[n - 1 + i].topk(2).values
+            if top2[0] - top2[1] > 2 * LOGIT_BOUND:
+                assert token == ref[n - 1 + i].argmax().item(), f"{key}: greedy token {i} of prompt {prompt}"
+                checked += 1
+    assert checked >= NEW_TOKENS, f"{key}: only {checked} greedy steps had a clear top-2 margin"
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_without_a_llama_cpp_the_export_is_one_line_naming_the_setup(half_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HALFSAFE_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HALFSAFE_LLAMA_CPP_DIR", raising=False)
+    before = _listing(tmp_path)
+    assert main(["export", "gguf", str(half_folder), str(tmp_path / "x.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scripts/setup-llama-cpp" in err and "Traceback" not in err
+    assert main(["export", "gguf", str(half_folder), str(tmp_path / "x.gguf"), "--llama-cpp", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "convert_hf_to_gguf.py" in err and "scripts/setup-llama-cpp" in err
+    assert _listing(tmp_path) == before
+
+
+def test_refusals_before_the_converter_runs(llama_cpp, converted, tmp_path, capsys):
+    """An existing OUT (a GGUF without --overwrite; anything else even with it), a folder halfsafe did not convert,
+    a model type llama.cpp's converter does not know, --scan or --runtime (onnx's): one line each, exit 2, every file
+    as it was."""
+    folder = converted("llama")
+    gguf = tmp_path / "old.gguf"
+    gguf.write_bytes(b"GGUF old")
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"mine")
+    (tmp_path / "gpt_neo").mkdir()
+    make_tiny("gpt_neo").to(torch.bfloat16).save_pretrained(tmp_path / "gpt_neo" / "original")
+    convert_checkpoint(str(tmp_path / "gpt_neo" / "original"), str(tmp_path / "gpt_neo" / "converted"), seq_len=32,
+                       max_samples=2, progress=False)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cases = [
+        ([str(folder), str(gguf)], "already exists"),
+        ([str(folder), str(other), "--overwrite"], "not a GGUF file"),
+        ([str(folder.parent / "original"), str(tmp_path / "a.gguf")], "has no halfsafe.json"),
+        ([str(tmp_path / "gpt_neo" / "converted"), str(tmp_path / "b.gguf")], "does not know model_type 'gpt_neo'"),
+        ([str(folder), str(tmp_path / "c.gguf"), "--scan"], "--scan is for export onnx"),
+        ([str(folder), str(tmp_path / "d.gguf"), "--runtime", "ort-webgpu"], "--runtime is for export onnx"),
+        ([str(folder), str(folder / "inside.gguf")], "inside"),
+    ]
+    capsys.readouterr()  # the conversions' own output
+    for args, says in cases:
+        assert main(["export", "gguf", *args]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, (args, err)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_replaces_a_gguf_whole(llama_cpp, converted, tmp_path):
+    folder = converted("qwen2")
+    out = tmp_path / "q.gguf"
+    out.write_bytes(b"GGUF from before")
+    assert main(["export", "gguf", str(folder), str(out), "--overwrite"]) == 0
+    assert compare_gguf(out, folder)["exact"] == len(load_file(folder / "model.safetensors"))
+    assert _listing(tmp_path) == ["q.gguf"]
+
+
+def test_a_converter_failure_leaves_nothing(llama_cpp, converted, tmp_path, capsys):
+    """llama.cpp's converter fails (a tokenizer.model it cannot read): one line, exit 2, no OUT, no temporary file or
+    folder beside it, the model folder as it was."""
+    folder = tmp_path / "broken"
+    shutil.copytree(converted("llama"), folder)
+    (folder / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    before = {p: p.read_bytes() for p in folder.iterdir()}
+    (tmp_path / "out").mkdir()
+    capsys.readouterr()  # the conversion's own output
+    assert main(["export", "gguf", str(folder), str(tmp_path / "out" / "x.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "convert_hf_to_gguf.py" in err and "failed" in err, err
+    assert _listing(tmp_path / "out") == [] and {p: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_gguf_with_tensors_halfsafe_cannot_compare_is_refused(llama_cpp, converted, tmp_path, capsys):
+    """Mixtral: llama.cpp stacks the experts into one tensor per projection, which the read-back does not compare with
+    the checkpoint's per-expert tensors: refused in one line, nothing written (not passed unchecked)."""
+    (tmp_path / "out").mkdir()
+    folder = converted("mixtral")
+    capsys.readouterr()  # the conversion's own output
+    assert main(["export", "gguf", str(folder), str(tmp_path / "out" / "m.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot compare" in err and "_exps" in err and "nothing was written" in err, err
+    assert _listing(tmp_path / "out") == []
+
+
+def test_a_gguf_that_is_not_exact_is_refused_and_not_written(llama_cpp, converted, tmp_path, capsys, monkeypatch):
+    """Without `prepare_for_llama_cpp` llama.cpp's converter adds Gemma's +1 to the float16 norm gains in float16 and
+    rounds: the read-back names the tensor, and nothing is written."""
+    import halfsafe.export.gguf as gguf_export
+
+    monkeypatch.setattr(gguf_export, "prepare_for_llama_cpp", lambda src, dst: shutil.copytree(src, dst))
+    (tmp_path / "out").mkdir()
+    folder = converted("gemma")
+    capsys.readouterr()  # the conversion's own output
+    assert main(["export", "gguf", str(folder), str(tmp_path / "out" / "g.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not exact" in err and "norm.weight" in err and "nothing was written" in err, err
+    assert _listing(tmp_path / "out") == []

@@ -272,9 +272,10 @@ REQUEST_FIELDS = {
         "plan_path": (_path(), ["p"]), "source": (_path(), ["m"]), "out": (_path(), ["o"]),
         "text": (_of(rq.TextOptions), [rq.APPLY_TEXT]), "overwrite": (_flag, []), "progress": (_flag, []),
         "engine": (_of(rq.EngineOptions), [rq.EngineOptions()])}),
-    "ExportRequest": (lambda **f: rq.ExportRequest(**{"converted": "c", "out": "o", **f}), {
+    "ExportRequest": (lambda **f: rq.ExportRequest(**{"converted": "c", "out": "o", **({"format": "gguf"} if "llama_cpp" in f else {}), **f}), {
         "converted": (_path(), ["c"]), "out": (_path(), ["o"]), "format": (_choice(rq.FORMATS), list(rq.FORMATS)),
-        "overwrite": (_flag, []), "scan": (_flag, []), "runtime": (_of(RuntimeProfile), [TORCH_PROFILE])}),
+        "overwrite": (_flag, []), "scan": (_flag, []), "runtime": (_of(RuntimeProfile), [TORCH_PROFILE]),
+        "llama_cpp": (_path(True), ["llama.cpp", None])}),  # tried with format gguf, the one it is for
     "FinetuneConfig": (lambda **f: rq.FinetuneRequest("m", "o", config=rq.FinetuneConfig(**f)), {
         "steps": (_count(1), [1, 500]), "threshold": (_number(lambda v: 0 < v <= 65504), [65504, 1e-3, 16384.0]),
         "margin_bits": (BITS, [0, 0.25]), "lr": (_number(lambda v: 0 < v < math.inf), [3e-2, 1]),

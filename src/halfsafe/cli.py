@@ -309,7 +309,7 @@ def cmd_verify(args) -> int:
 
 def export_request(args) -> rq.ExportRequest:
     return rq.ExportRequest(args.converted, args.out, args.format, overwrite=args.overwrite, scan=args.scan,
-                            runtime=rq.runtime_profile(args.runtime))
+                            runtime=rq.runtime_profile(args.runtime), llama_cpp=args.llama_cpp)
 
 
 def cmd_export(args) -> int:
@@ -317,6 +317,14 @@ def cmd_export(args) -> int:
     from .progress import phase
 
     request = export_request(args)
+    if request.format == "gguf":
+        from .export.gguf import export_gguf
+
+        with phase("export"):
+            gguf = export_gguf(request.converted, request.out, request.llama_cpp, overwrite=request.overwrite)
+        _say(f"wrote {gguf.path} (F16 GGUF by llama.cpp's converter, {gguf.file_bytes / 2**20:,.1f} MiB, {gguf.tensors} tensors exact)")
+        _write_json(args.json, gguf.to_dict())
+        return 0
     with phase("export"):  # warns if not converted
         report = run_export(request)
     _say(f"wrote {report.path} (fp16 ONNX, {report.file_bytes / 2**20:,.1f} MiB, {report.clip_nodes} Clip nodes)")
@@ -371,10 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
     _tokenizer_option(p)
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("export", help="export a converted checkpoint to another runtime's format (fp16 ONNX)")
-    p.add_argument("format", choices=rq.FORMATS, help="onnx: fp16 ONNX for ONNX Runtime / transformers.js (onnx/model_fp16.onnx)")
+    p = sub.add_parser("export", help="export a converted checkpoint to another runtime's format (fp16 ONNX, F16 GGUF)")
+    p.add_argument("format", choices=rq.FORMATS, help="onnx: fp16 ONNX for ONNX Runtime / transformers.js (onnx/model_fp16.onnx); "
+                   "gguf: an F16 GGUF file for llama.cpp, written by llama.cpp's own converter, every tensor exact")
     p.add_argument("converted", help="the folder `halfsafe convert` wrote")
-    p.add_argument("out", help="output folder (must not exist unless --overwrite)")
+    p.add_argument("out", help="output folder (a .gguf file for gguf; must not exist unless --overwrite)")
+    p.add_argument("--llama-cpp", metavar="DIR", help="gguf: the llama.cpp checkout whose convert_hf_to_gguf.py runs "
+                   "(default: $HALFSAFE_LLAMA_CPP_DIR, else the one scripts/setup-llama-cpp made)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
@@ -475,7 +486,8 @@ def _check_paths(args) -> None:
                   if name == "plan" or not os.path.isdir(p)]
     if args.command == "demo":
         reads += [("the model", p) for p in input_paths(DEFAULT_MODEL)]
-    writes = [("output folder", Path(args.out), True)] if getattr(args, "out", None) else []
+    file_out = args.command == "export" and args.format == "gguf"  # OUT.gguf: a file
+    writes = [("OUT" if file_out else "output folder", Path(args.out), not file_out)] if getattr(args, "out", None) else []
     writes += [("--json", Path(args.json), False)] if getattr(args, "json", None) else []
     if getattr(args, "plot", None):
         if args.command == "verify":

@@ -7,16 +7,24 @@ where transformers computes `1.0 + w.float()` in fp32. `prepare_for_llama_cpp` g
 the 1-D tensors (norm gains, biases) in fp32, exactly the values of the fp16 checkpoint: then its `+ 1` is the
 same fp32 sum transformers makes, and every matrix stays the checkpoint's own fp16 bits.
 
-llama.cpp is not a dependency: pass the folder of a llama.cpp checkout (or of the llama-cpp-python source
-package's `vendor/llama.cpp`) that holds `convert_hf_to_gguf.py` and `gguf-py`.
+llama.cpp is not a dependency: `scripts/setup-llama-cpp` unpacks a pinned llama-cpp-python source package's
+`vendor/llama.cpp` (the converter and gguf-py of the release it builds) into halfsafe's cache, where `export_gguf`
+finds it; or pass the folder of a llama.cpp checkout that holds `convert_hf_to_gguf.py` and `gguf-py`. The converter
+runs in a subprocess of this python (no code of the model folder: `check_folder` refuses `auto_map` first, and the
+converter sees only a copy), offline, writing into a temporary file beside OUT that becomes OUT once every tensor it
+stored is the checkpoint's own.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +33,11 @@ import torch
 from ..engine.shards import Shards
 from ..errors import HalfsafeError
 from ..families import family_for
+from ..io.cache import cache_dir
+
+LLAMA_CPP_ENV = "HALFSAFE_LLAMA_CPP_DIR"  # a llama.cpp checkout to take the converter from, over the cache's
+SETUP_STAMP = ".halfsafe-llama-cpp"  # written last by scripts/setup-llama-cpp: a folder without it is unfinished
+GGUF_MAGIC = b"GGUF"
 
 
 def _shards(converted: Path) -> Shards:
@@ -59,21 +72,74 @@ def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
 
 def llama_cpp_converter(llama_cpp_dir: str | Path) -> Path:
     script = Path(llama_cpp_dir) / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        raise HalfsafeError(f"{llama_cpp_dir} has no convert_hf_to_gguf.py: give a llama.cpp checkout (or llama-cpp-python's vendor/llama.cpp)")
+    if not script.is_file() or not (Path(llama_cpp_dir) / "gguf-py").is_dir():
+        raise HalfsafeError(f"{llama_cpp_dir} has no convert_hf_to_gguf.py and gguf-py: give a llama.cpp checkout (or "
+                            "llama-cpp-python's vendor/llama.cpp), or run scripts/setup-llama-cpp")
     return script
 
 
-def convert_with_llama_cpp(folder: str | Path, out_gguf: str | Path, llama_cpp_dir: str | Path, outtype: str = "f16") -> Path:
-    """Run llama.cpp's converter on `folder` (as is: call `prepare_for_llama_cpp` first for a halfsafe checkpoint)."""
+def find_llama_cpp(llama_cpp_dir: str | Path | None = None) -> Path:
+    """The llama.cpp whose converter to run: `llama_cpp_dir`, else $HALFSAFE_LLAMA_CPP_DIR, else the one
+    scripts/setup-llama-cpp finished last in halfsafe's cache; none is one line naming the script."""
+    given = llama_cpp_dir or os.environ.get(LLAMA_CPP_ENV)
+    if not given:
+        made = sorted(cache_dir().glob(f"llama-cpp-*/{SETUP_STAMP}"), key=lambda p: p.stat().st_mtime)
+        if not made:
+            raise HalfsafeError(f"no llama.cpp converter in {cache_dir()}: run scripts/setup-llama-cpp once (it builds the "
+                                f"pinned llama-cpp-python there), or pass --llama-cpp DIR (a llama.cpp checkout)")
+        given = made[-1].parent / "llama.cpp"
+    llama_cpp_converter(given)
+    return Path(given)
+
+
+def llama_cpp_architectures(llama_cpp_dir: str | Path) -> frozenset[str] | None:
+    """The Hugging Face architectures the converter knows, read as data from its own table (`TEXT_MODEL_MAP` in
+    conversion/__init__.py, a literal); None where this llama.cpp has no such table (its converter still refuses)."""
+    source = Path(llama_cpp_dir) / "conversion" / "__init__.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0] if isinstance(node, ast.Assign) else None
+        if isinstance(target, ast.Name) and target.id == "TEXT_MODEL_MAP" and node.value is not None:
+            try:
+                return frozenset(ast.literal_eval(node.value))
+            except ValueError:
+                return None
+    return None
+
+
+def _converter_env(llama_cpp_dir: Path) -> dict:
+    """Offline, this llama.cpp's gguf-py first, and the setup's pylib (sentencepiece) where it made this folder."""
+    paths = [llama_cpp_dir / "gguf-py"]
+    if (llama_cpp_dir.parent / SETUP_STAMP).is_file():
+        paths.append(llama_cpp_dir.parent / "pylib")
+    paths += [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def convert_with_llama_cpp(folder: str | Path, out_gguf: str | Path, llama_cpp_dir: str | Path, outtype: str = "f16",
+                           name: str | Path | None = None) -> Path:
+    """Run llama.cpp's converter on `folder` (as is: call `prepare_for_llama_cpp` first for a halfsafe checkpoint).
+    A failure is one line naming `name` (default `folder`): the converter's last line, or the architecture it does not
+    know."""
+    llama_cpp_dir, out_gguf = Path(os.path.abspath(llama_cpp_dir)), Path(os.path.abspath(out_gguf))
     script = llama_cpp_converter(llama_cpp_dir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(llama_cpp_dir) / "gguf-py"), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, str(script), str(folder), "--outtype", outtype, "--outfile", str(out_gguf)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd = [sys.executable, str(script), os.path.abspath(folder), "--outtype", outtype, "--outfile", str(out_gguf)]
+    done = subprocess.run(cmd, env=_converter_env(llama_cpp_dir), capture_output=True, text=True, cwd=out_gguf.parent)
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
-        raise HalfsafeError(f"llama.cpp's convert_hf_to_gguf.py failed on {folder}: {tail[0]}")
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        unknown = [line for line in lines if line.rstrip().endswith("is not supported")]
+        tail = (unknown or lines or ["?"])[-1].split(":hf-to-gguf:")[-1].strip()
+        raise HalfsafeError(f"llama.cpp's convert_hf_to_gguf.py ({llama_cpp_dir}) failed on {name or folder}: {tail}")
     return Path(out_gguf)
+
+
+def _rope_permuted(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The rows of a q or k projection as llama.cpp's converter lays them out for its interleaved rotary embedding
+    (LlamaModel.permute: each head's two halves interleaved), values unchanged."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
@@ -100,6 +166,7 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     name_map = gguf.get_tensor_name_map(arch_enum, text.num_hidden_layers)
     stored = {t.name: t for t in reader.tensors}
     gain1p = family_for(config.model_type).one_plus_norm_gains  # llama.cpp stores 1 + w for these norms
+    heads = {"q_proj": text.num_attention_heads, "k_proj": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
     rows = []
     for name, w in hf.items():
         base = name.removesuffix(".weight").removesuffix(".bias")
@@ -114,13 +181,22 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
         want = w.float()
         if gain1p and name.endswith("norm.weight"):
             want = 1.0 + want
-        want = want.reshape(-1)[: got.numel()]  # llama.cpp drops Gemma's unused vocabulary rows
-        rows.append({"tensor": name, "gguf": gname + suffix, "dtype": t.tensor_type.name,
-                     "exact": bool(torch.equal(got, want)), "max_abs_diff": float((got - want).abs().max())})
+        layouts = {"as is": want}
+        proj = base.rsplit(".", 1)[-1]
+        if proj in heads and want.shape[0] % (2 * heads[proj]) == 0:  # llama.cpp's rotary layout for some archs
+            layouts["rope-permuted"] = _rope_permuted(want, heads[proj])
+        layouts = {k: v.reshape(-1)[: got.numel()] for k, v in layouts.items()}  # llama.cpp drops Gemma's unused vocabulary rows
+        layout = next((k for k, v in layouts.items() if v.numel() == got.numel() and torch.equal(got, v)), None)
+        value = layouts[layout or "as is"]
+        diff = float((got - value).abs().max()) if got.numel() == value.numel() else float("inf")
+        rows.append({"tensor": name, "gguf": gname + suffix, "dtype": t.tensor_type.name, "layout": layout,
+                     "exact": layout is not None, "max_abs_diff": diff})
     found = [r for r in rows if r["exact"] is not None]
     norms = [r for r in found if r["tensor"].endswith("norm.weight")]
+    checked = {r["gguf"] for r in found}
     return {
         "arch": arch,
+        "gguf_unchecked": sorted(n for n in stored if n not in checked),  # tensors llama.cpp made (none from the checkpoint)
         "eps_config": text.rms_norm_eps if hasattr(text, "rms_norm_eps") else None,
         "eps_gguf": eps_gguf,
         "eps_exact": bool(eps_gguf is not None and np.float32(eps_gguf) == np.float32(text.rms_norm_eps)),
@@ -133,3 +209,101 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
         "max_abs_diff": max((r["max_abs_diff"] for r in found), default=0.0),
         "rows": rows,
     }
+
+
+@dataclass
+class GgufExportReport:
+    path: str
+    arch: str  # llama.cpp's name for the architecture
+    model_type: str
+    llama_cpp: str  # the folder whose converter wrote it
+    file_bytes: int
+    tensors: int  # stored and compared, every one exact
+    not_stored: list[str] = field(default_factory=list)  # checkpoint tensors llama.cpp leaves out (a vision tower)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_gguf_source(folder: str | Path, llama_cpp_dir: Path) -> str:
+    """A folder `halfsafe convert` wrote (halfsafe.json), whose architecture llama.cpp's converter knows; its
+    model_type. Refused in one line before anything is copied."""
+    from ..io.loading import read_config
+
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise HalfsafeError(f"{folder} is not a folder: give the folder `halfsafe convert` wrote (config.json + *.safetensors)")
+    config = read_config(folder)  # the trust checks first: every file inside the folder, no code of its own
+    if not (folder / "halfsafe.json").is_file():
+        raise HalfsafeError(f"{folder} has no halfsafe.json: it was not converted by halfsafe, and an F16 GGUF of it may "
+                            f"overflow; run `halfsafe convert {folder} OUT` and export OUT")
+    known = llama_cpp_architectures(llama_cpp_dir)
+    raw = json.loads((folder / "config.json").read_text())
+    archs = [a for part in (raw, raw.get("text_config") or {}) if isinstance(part, dict)
+             for a in (part.get("architectures") or [])[:1] if isinstance(a, str)]
+    if known is not None and not any(a in known for a in archs):
+        raise HalfsafeError(f"{folder}: llama.cpp's converter ({llama_cpp_dir}) does not know model_type "
+                            f"{config.model_type!r} ({', '.join(archs) or 'no architectures in config.json'}): "
+                            "no GGUF for it; use another runtime (export onnx, vLLM, transformers)")
+    return config.model_type
+
+
+def check_gguf_out(out: str | Path, overwrite: bool, inputs=()) -> Path:
+    """OUT.gguf, before the slow part: a file outside every input (halfsafe.io.paths.check_report_path), absent
+    unless `overwrite`, and then a GGUF file (its magic), never something else it would replace."""
+    from ..io.paths import check_report_path
+
+    out = check_report_path(out, "OUT", inputs)
+    if os.path.lexists(out):
+        if not overwrite:
+            raise HalfsafeError(f"{out} already exists: choose another output file or pass --overwrite")
+        magic = b""
+        if out.is_file():  # never opened otherwise: a FIFO would block the read
+            try:
+                with open(out, "rb") as f:
+                    magic = f.read(len(GGUF_MAGIC))
+            except OSError as e:
+                raise HalfsafeError(f"{out} cannot be read ({e.strerror}): choose another output file") from None
+        if magic != GGUF_MAGIC:
+            raise HalfsafeError(f"{out} exists and is not a GGUF file: --overwrite replaces a GGUF file only; choose "
+                                "another output file")
+    return out
+
+
+def export_gguf(folder: str | Path, out: str | Path, llama_cpp_dir: str | Path | None = None,
+                overwrite: bool = False) -> GgufExportReport:
+    """`halfsafe export gguf FOLDER OUT`: an F16 GGUF of the checkpoint `halfsafe convert` wrote, by llama.cpp's own
+    converter on `prepare_for_llama_cpp`'s copy (in a temporary folder beside OUT, never in FOLDER), then read back:
+    OUT is written (one rename) only if every tensor llama.cpp stored is one of the checkpoint's, exact, and the norm
+    eps is the config's; otherwise nothing is left behind and the first tensor that differs is named."""
+    from ..io.paths import write_file
+
+    llama_cpp = find_llama_cpp(llama_cpp_dir)
+    folder = Path(folder).expanduser()
+    model_type = check_gguf_source(folder, llama_cpp)
+    out = check_gguf_out(out, overwrite, inputs=[folder])
+    result: dict = {}
+
+    def write(tmp: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=".halfsafe-gguf-", dir=tmp.parent) as work:
+            prepared = prepare_for_llama_cpp(folder, Path(work) / "prepared")
+            convert_with_llama_cpp(prepared, tmp, llama_cpp, name=folder)
+        result.update(compare_gguf(tmp, folder))
+        wrong = [r for r in result["rows"] if r["exact"] is False]
+        if wrong or not result["tensors_compared"]:
+            first = wrong[0] if wrong else None
+            raise HalfsafeError(f"llama.cpp's GGUF of {folder} is not exact" + (
+                f" ({len(wrong)} tensors differ, first {first['tensor']} as {first['gguf']} by up to {first['max_abs_diff']:.3g})"
+                if first else " (halfsafe found none of the checkpoint's tensors in it)") + ": nothing was written")
+        if result["gguf_unchecked"]:  # stacked experts, a table llama.cpp computed: nothing vouches for them
+            unchecked = result["gguf_unchecked"]
+            raise HalfsafeError(f"llama.cpp's GGUF of {folder} holds {len(unchecked)} tensors halfsafe cannot compare with the "
+                                f"checkpoint (first {unchecked[0]}): nothing was written")
+        if result["eps_gguf"] is not None and result["eps_config"] is not None and not result["eps_exact"]:
+            raise HalfsafeError(f"llama.cpp's GGUF of {folder} holds norm eps {result['eps_gguf']:.6g}, config.json "
+                                f"{result['eps_config']:.6g}: nothing was written")
+
+    write_file(out, write, "OUT")
+    return GgufExportReport(path=str(out), arch=result["arch"], model_type=model_type, llama_cpp=str(llama_cpp),
+                            file_bytes=out.stat().st_size, tensors=result["tensors_compared"],
+                            not_stored=result["tensors_not_found"])

@@ -9,7 +9,7 @@ from ..errors import HalfsafeError
 from ..runtime.profiles import RuntimeProfile
 from .common import TORCH, instance, path, switch
 
-FORMATS = ("onnx",)
+FORMATS = ("onnx", "gguf")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class ExportRequest:
     overwrite: bool = False
     scan: bool = False  # a folder halfsafe did not convert: scan it briefly and say what it overflows
     runtime: RuntimeProfile = TORCH  # the graph's norms prescaled, its products split, as the profile needs
+    llama_cpp: str | os.PathLike | None = None  # gguf: the llama.cpp whose converter runs (None: scripts/setup-llama-cpp's)
 
     def __post_init__(self) -> None:
         path("converted", self.converted)
@@ -29,3 +30,8 @@ class ExportRequest:
         switch("overwrite", self.overwrite)
         switch("scan", self.scan)
         instance("runtime", self.runtime, RuntimeProfile, ": pass halfsafe.requests.runtime_profile(name)")
+        path("llama_cpp", self.llama_cpp, optional=True)
+        if self.format == "gguf" and (self.scan or self.runtime != TORCH):  # an unconverted folder is refused; llama.cpp's arithmetic is its own
+            raise HalfsafeError(f"{'--scan' if self.scan else '--runtime'} is for export onnx: export gguf takes a converted folder as it is")
+        if self.format != "gguf" and self.llama_cpp is not None:
+            raise HalfsafeError("--llama-cpp is for export gguf")
