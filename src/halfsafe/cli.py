@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp", metavar="DIR", help="gguf: the llama.cpp checkout whose convert_hf_to_gguf.py runs "
                    "(default: $HALFSAFE_LLAMA_CPP_DIR, else the one scripts/setup-llama-cpp made)")
     p.add_argument("--scan", action="store_true", help="if CONVERTED was not converted by halfsafe, scan it briefly and say what it overflows")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one; for gguf, a GGUF file")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     _runtime_option(p, "compute the norms (prescaled inside each norm) to run")
     p.set_defaults(func=cmd_export)
