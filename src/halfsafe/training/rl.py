@@ -8,14 +8,16 @@
     trainer = GRPOTrainer(model=CONVERTED_FOLDER, args=args, reward_funcs=..., train_dataset=...)
     loop = rl.Fp16RL(trainer)             # loss scaling, headroom with exact rescales, rollout/trainer mismatch
     trainer.train()
-    rl.save(trainer, OUT)                 # a float16 folder with a fresh halfsafe.json: vLLM serves it in float16
+    loop.save(OUT)                        # a float16 folder with a fresh halfsafe.json: vLLM serves it in float16
 
 What `Fp16RL` adds to the trainer:
 - **float16 where it computes.** On a GPU, `fp16=True` is AMP: autocast and a GradScaler. accelerate turns both off on a
   CPU (its fp16 branch needs a GPU) and trains in float32; here they are switched on (torch's CPU autocast to float16
   and `torch.amp.GradScaler("cpu")`), with the matrix products computed as a GPU's float16 GEMM computes them: float16
   operands, float32 sums, one rounding to float16 (halfsafe.engine.fp16_arith's "emulated", where PyTorch's own CPU
-  float16 kernels are slow). vLLM computes with its own kernels in the folder's dtype.
+  float16 kernels are slow). A bfloat16 trainer (`bf16=True`, the baseline) computes its products the same way in
+  bfloat16 where PyTorch's bfloat16 kernels are slow, as a GPU's bfloat16 GEMM does. vLLM computes with its own
+  kernels in the folder's dtype.
 - **Headroom, kept.** A `HeadroomCallback` samples every watched site's peak on the forward of every
   `every_n_steps`-th step; when one runs below `rescale_below_bits` of float16's limit, an exact power-of-two rescale
   restores `rescale_to_bits` between two optimizer steps (TrainingRescaler: the optimizer keeps its trajectory). A
@@ -169,6 +171,20 @@ def _cpu_amp(trainer, init_scale: float) -> bool:
     return True
 
 
+def _trainer_arith(trainer, asked: str, amp_on_cpu: bool) -> tuple[str, torch.dtype]:
+    """How the trainer's matrix products compute: ("emulated" or "native", their dtype). Float16 on a CPU as
+    `fp16_arith` resolves it; bfloat16 on a CPU from float32 kernels, rounded once, where PyTorch's own bfloat16
+    products are slow (a GPU's bfloat16 GEMM computes the same way)."""
+    from ..engine.fp16_arith import EMULATED, NATIVE, SLOW, float16_products_slowdown, resolve
+
+    if amp_on_cpu:
+        return resolve(asked, trainer.model)["used"], torch.float16
+    if trainer.args.bf16 and trainer.accelerator.device.type == "cpu" and asked != NATIVE:
+        slow = float16_products_slowdown(torch.bfloat16) >= SLOW
+        return (EMULATED if slow else NATIVE), torch.bfloat16
+    return NATIVE, torch.float32
+
+
 class Fp16RL:
     """Wraps a TRL GRPOTrainer (use_vllm=True, vllm_mode="colocate") for RL in float16: see the module's docstring."""
 
@@ -177,7 +193,6 @@ class Fp16RL:
         from transformers import TrainerCallback
 
         from ..engine.fp16_arith import fp16_arith as arith_mode
-        from ..engine.fp16_arith import resolve
         from .callback import HeadroomCallback
 
         args = trainer.args
@@ -194,8 +209,7 @@ class Fp16RL:
         # the dtype vLLM computes in (its weights'): float16 for a converted folder only where halfsafe's plugin let it
         self.rollout_dtype = str(next(vllm_model(trainer).parameters()).dtype).removeprefix("torch.")
         self.amp_on_cpu = _cpu_amp(trainer, init_scale)
-        fp16 = bool(args.fp16)
-        self.arith = resolve(fp16_arith, trainer.model)["used"] if fp16 and self.amp_on_cpu else "native"
+        self.arith, self.arith_dtype = _trainer_arith(trainer, fp16_arith, self.amp_on_cpu)
         self.headroom = HeadroomCallback(every_n_steps=every_n_steps, rescale_below_bits=rescale_below_bits,
                                          rescale_to_bits=rescale_to_bits, watch=watch)
         plan = _folder_plan(trainer)
@@ -231,13 +245,15 @@ class Fp16RL:
 
         self.callback = _Callback()
         trainer.add_callback(self.callback)
-        arith = (lambda: arith_mode(self.arith)) if self.arith == "emulated" else nullcontext
+        arith = (lambda: arith_mode(self.arith, self.arith_dtype)) if self.arith == "emulated" else nullcontext
         score, logps = trainer._generate_and_score_completions, trainer._get_per_token_logps_and_entropies
         backward, sync = trainer.accelerator.backward, trainer.vllm_generation.sync_weights
 
         def generate_and_score(*a, **kw):
+            t0 = time.perf_counter()
             out = score(*a, **kw)
             m = rollout_mismatch(out["old_per_token_logps"], out["sampling_per_token_logps"], out["completion_mask"])
+            m["rollout_seconds"] = time.perf_counter() - t0  # weight push, vLLM's generation, rewards, trainer's logprobs
             self._pending_mismatch.append(m)
             metrics = trainer._metrics["train" if trainer.model.training else "eval"]
             for k in KEYS:
@@ -316,7 +332,7 @@ class Fp16RL:
                   "skipped": self._loss_scale() < self._scale,  # GradScaler halves the scale when it skips a step
                   "rescales": len(self.headroom.rescales)}
         mism = self._pending_mismatch[-1] if self._pending_mismatch else {}
-        record.update({k: mism.get(k, math.nan) for k in KEYS})
+        record.update({k: mism.get(k, math.nan) for k in (*KEYS, "rollout_seconds")})
         if sampled is not None:
             record.update({"forward_min_bits": sampled["min_bits"], "forward_site": sampled["min_site"],
                            "first_overflow": sampled.get("first_overflow"),
