@@ -20,7 +20,7 @@ from halfsafe.calibration import default_text
 from halfsafe.cli import main
 from halfsafe.convert import convert_checkpoint
 from halfsafe.errors import HalfsafeError
-from halfsafe.export.gguf import compare_gguf, prepare_for_llama_cpp
+from halfsafe.export.gguf import compare_gguf, export_gguf, prepare_for_llama_cpp
 
 
 @pytest.fixture
@@ -218,10 +218,10 @@ def test_without_a_llama_cpp_the_export_is_one_line_naming_the_setup(half_folder
     assert _listing(tmp_path) == before
 
 
-def test_refusals_before_the_converter_runs(llama_cpp, converted, tmp_path, capsys):
+def test_refusals_before_the_converter_runs(llama_cpp, converted, tmp_path, capsys, monkeypatch):
     """An existing OUT (a GGUF without --overwrite; anything else even with it), a folder halfsafe did not convert,
-    a model type llama.cpp's converter does not know, --scan or --runtime (onnx's): one line each, exit 2, every file
-    as it was."""
+    a model type llama.cpp's converter does not know, a folder asking for its own code, --scan or --runtime (onnx's):
+    one line each, exit 2, every file as it was."""
     folder = converted("llama")
     gguf = tmp_path / "old.gguf"
     gguf.write_bytes(b"GGUF old")
@@ -231,12 +231,16 @@ def test_refusals_before_the_converter_runs(llama_cpp, converted, tmp_path, caps
     make_tiny("gpt_neo").to(torch.bfloat16).save_pretrained(tmp_path / "gpt_neo" / "original")
     convert_checkpoint(str(tmp_path / "gpt_neo" / "original"), str(tmp_path / "gpt_neo" / "converted"), seq_len=32,
                        max_samples=2, progress=False)
+    remote = shutil.copytree(folder, tmp_path / "remote")  # llama.cpp's converter loads tokenizers with trust_remote_code=True
+    (remote / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.Tok", None]}}))
+    (remote / "tok.py").write_text("raise SystemExit('ran code from the model folder')\n")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     cases = [
         ([str(folder), str(gguf)], "already exists"),
         ([str(folder), str(other), "--overwrite"], "not a GGUF file"),
         ([str(folder.parent / "original"), str(tmp_path / "a.gguf")], "has no halfsafe.json"),
         ([str(tmp_path / "gpt_neo" / "converted"), str(tmp_path / "b.gguf")], "does not know model_type 'gpt_neo'"),
+        ([str(remote), str(tmp_path / "e.gguf")], "never runs code from a model folder"),
         ([str(folder), str(tmp_path / "c.gguf"), "--scan"], "--scan is for export onnx"),
         ([str(folder), str(tmp_path / "d.gguf"), "--runtime", "ort-webgpu"], "--runtime is for export onnx"),
         ([str(folder), str(folder / "inside.gguf")], "inside"),
@@ -246,6 +250,14 @@ def test_refusals_before_the_converter_runs(llama_cpp, converted, tmp_path, caps
         assert main(["export", "gguf", *args]) == 2, args
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, (args, err)
+    import halfsafe.export.gguf as gguf_export
+
+    def ran(*args, **kwargs):
+        pytest.fail("llama.cpp's converter ran on a folder that asks for its own code")
+
+    monkeypatch.setattr(gguf_export, "convert_with_llama_cpp", ran)
+    with pytest.raises(HalfsafeError, match="never runs code from a model folder"):  # the API's own check, not the CLI's
+        export_gguf(remote, tmp_path / "f.gguf")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
