@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from jsclient import save_char_tokenizer
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny
 
@@ -183,6 +184,10 @@ def test_llama_cpp_runs_the_export_as_transformers_fp32(key, llama_cpp, converte
     assert main(["export", "gguf", str(folder), str(out), "--json", str(tmp_path / "r.json")]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["tensors"] == len(load_file(folder / "model.safetensors")) and not report["not_stored"]
+    _runs_as_fp32(key, llama_cpp, folder, out)
+
+
+def _runs_as_fp32(key: str, llama_cpp: Path, folder: Path, out: Path) -> None:
     prompts = _prompts(json.loads((folder / "config.json").read_text())["vocab_size"])
     got = llamaenv.run(llama_cpp, out, prompts, NEW_TOKENS)
     refs = _fp32_logits(folder, [p + g["greedy"] for p, g in zip(prompts, got)])
@@ -310,3 +315,47 @@ def test_a_gguf_that_is_not_exact_is_refused_and_not_written(llama_cpp, converte
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not exact" in err and "norm.weight" in err and "nothing was written" in err, err
     assert _listing(tmp_path / "out") == []
+
+
+def _original_with_tokenizer(root: Path) -> Path:
+    """A tiny Llama in bf16 with a tokenizer both halfsafe (transformers) and llama.cpp's converter read: the
+    character BPE of tests/jsclient.py marked byte-fallback, which the converter takes as a Llama tokenizer."""
+    model = make_tiny("llama")
+    model.to(torch.bfloat16).save_pretrained(root)
+    save_char_tokenizer(root, model.config)
+    tokenizer = json.loads((root / "tokenizer.json").read_text())
+    tokenizer["model"]["byte_fallback"] = True
+    (root / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return root
+
+
+def test_convert_to_gguf_puts_the_gguf_in_out(llama_cpp, tmp_path):
+    """`convert --to gguf`: OUT holds model-f16.gguf beside the weights, listed in its halfsafe.json (so --overwrite
+    takes OUT again), every tensor exact, and llama.cpp runs it as transformers fp32 runs OUT's weights."""
+    original = _original_with_tokenizer(tmp_path / "original")
+    out = tmp_path / "out"
+    args = ["convert", str(original), str(out), "--to", "gguf", "--seq-len", "32", "--max-samples", "2"]
+    assert main(args) == 0
+    assert "model-f16.gguf" in json.loads((out / "halfsafe.json").read_text())["files"]
+    got = compare_gguf(out / "model-f16.gguf", out)
+    assert got["exact"] == got["tensors_compared"] == len(load_file(out / "model.safetensors")) and not got["gguf_unchecked"]
+    _runs_as_fp32("llama", llama_cpp, out, out / "model-f16.gguf")
+    assert main([*args, "--overwrite"]) == 0 and (out / "model-f16.gguf").is_file()
+
+
+def test_convert_to_gguf_refuses_before_converting(llama_cpp, tmp_path, capsys, monkeypatch):
+    """An architecture llama.cpp's converter does not know, or no llama.cpp: one line, exit 2, before the conversion
+    (no OUT, nothing beside it)."""
+    make_tiny("gpt_neo").to(torch.bfloat16).save_pretrained(tmp_path / "gpt_neo")
+    llama = _original_with_tokenizer(tmp_path / "llama")
+    capsys.readouterr()
+    before = _listing(tmp_path)
+    assert main(["convert", str(tmp_path / "gpt_neo"), str(tmp_path / "out"), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not know GPTNeoForCausalLM" in err, err
+    monkeypatch.setenv("HALFSAFE_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HALFSAFE_LLAMA_CPP_DIR", raising=False)
+    assert main(["convert", str(llama), str(tmp_path / "out"), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scripts/setup-llama-cpp" in err, err
+    assert _listing(tmp_path) == before

@@ -345,7 +345,7 @@ def test_save_every_built_directly_is_refused_in_one_line(value):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("value", ["gguf", "ONNX", ["onnx"], ("onnx",), True, 1, b"onnx"])
+@pytest.mark.parametrize("value", ["tflite", "ONNX", ["onnx"], ("onnx",), True, 1, b"onnx"])
 def test_to_built_directly_is_refused_in_one_line(value):
     with pytest.raises(HalfsafeError, match="^--to ") as e:
         rq.ConvertRequest("m", "o", to=value)

@@ -174,7 +174,7 @@ def cmd_convert(args) -> int:
     from .plots import plot_layer_peaks
 
     request = convert_request(args)
-    exported, finish = [], None
+    exported, exported_gguf, finish = [], [], None
     if request.to == "onnx":
         from .export.onnx import add_onnx, check_folder_exportable, require_onnx
         from .progress import phase
@@ -185,10 +185,22 @@ def cmd_convert(args) -> int:
         def finish(folder: Path) -> None:  # into the checkpoint's temporary folder, before it becomes OUT
             with phase("export"):  # recorded with the conversion's phases, after the write
                 exported.append(add_onnx(folder, runtime=request.export_runtime, final=request.out))
+    elif request.to == "gguf":
+        from .export.gguf import add_gguf, check_gguf_target
+        from .progress import phase
+
+        llama_cpp = check_gguf_target(request.source)  # fail before the slow part
+
+        def finish(folder: Path) -> None:  # into the checkpoint's temporary folder, before it becomes OUT
+            with phase("export"):
+                gguf = add_gguf(folder, llama_cpp, final=request.out)
+            exported_gguf.append(gguf)
 
     report = run_convert(request, finish)
     conversion_tables(report, console)
     _say(f"wrote {args.out} (fp16 checkpoint, halfsafe.json, README.md)")  # OUT is in place, the ONNX inside it
+    for gguf in exported_gguf:
+        _say(f"wrote {gguf.path} (F16 GGUF by llama.cpp's converter, {gguf.tensors} tensors exact)")
     for onnx_report in exported:
         shifts = [p["shift"] for p in onnx_report.norm_prescales.values()]
         _say(f"wrote {onnx_report.path} (fp16 ONNX" + (f"; --runtime {request.export_runtime.name}: {len(shifts)} norms prescaled by "
@@ -364,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unfixable", action="store_true", help="save even if some activation no exact rescaling reaches still overflows")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
-    p.add_argument("--to", choices=rq.TARGETS, help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`)")
+    p.add_argument("--to", choices=rq.TARGETS, help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`), "
+                   "or an F16 GGUF, OUT/model-f16.gguf (as `halfsafe export gguf`)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON: halfsafe.json's content and the time each phase took")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                    help=f"largest output weight file, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE}, as the hub expects; bigger "

@@ -59,8 +59,8 @@ def prepare_for_llama_cpp(converted: str | Path, out: str | Path) -> Path:
     check_folder(converted)  # nothing copied from outside it
     shards = _shards(converted)
     out.mkdir(parents=True, exist_ok=True)
-    for f in converted.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
+    for f in converted.iterdir():  # not the weights, a GGUF beside them, or a temporary file halfsafe is writing there
+        if f.is_file() and f.suffix not in (".safetensors", ".gguf") and not f.name.startswith(".halfsafe-"):
             shutil.copy2(f, out / f.name)
     for name in sorted(set(shards.file_of.values())):
         with shards:
@@ -276,12 +276,52 @@ def export_gguf(folder: str | Path, out: str | Path, llama_cpp_dir: str | Path |
     converter on `prepare_for_llama_cpp`'s copy (in a temporary folder beside OUT, never in FOLDER), then read back:
     OUT is written (one rename) only if every tensor llama.cpp stored is one of the checkpoint's, exact, and the norm
     eps is the config's; otherwise nothing is left behind and the first tensor that differs is named."""
-    from ..io.paths import write_file
-
     llama_cpp = find_llama_cpp(llama_cpp_dir)
     folder = Path(folder).expanduser()
     model_type = check_gguf_source(folder, llama_cpp)
     out = check_gguf_out(out, overwrite, inputs=[folder])
+    return _write_gguf(folder, out, llama_cpp, model_type)
+
+
+def check_gguf_target(source: str | Path, llama_cpp_dir: str | Path | None = None) -> Path:
+    """Before `convert --to gguf` spends its time converting: the llama.cpp to run, and a local model whose
+    architecture its converter does not know refused (checked again on the converted folder)."""
+    llama_cpp = find_llama_cpp(llama_cpp_dir)
+    config = Path(source).expanduser() / "config.json"
+    known = llama_cpp_architectures(llama_cpp)
+    if known is not None and config.is_file():
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return llama_cpp  # the conversion reports an unreadable config in its own words
+        archs = [a for part in (raw, raw.get("text_config") if isinstance(raw, dict) else None) if isinstance(part, dict)
+                 for a in (part.get("architectures") or [])[:1] if isinstance(a, str)]
+        if archs and not any(a in known for a in archs):
+            raise HalfsafeError(f"{source}: llama.cpp's converter ({llama_cpp}) does not know {', '.join(archs)} "
+                                f"(model_type {raw.get('model_type')!r}): no GGUF for it; convert without --to gguf")
+    return llama_cpp
+
+
+GGUF_FILE = "model-f16.gguf"  # convert --to gguf: the GGUF beside the checkpoint's weights
+
+
+def add_gguf(folder: str | Path, llama_cpp: Path, final: str | Path | None = None) -> GgufExportReport:
+    """`halfsafe convert --to gguf`: the F16 GGUF written into the converted checkpoint's temporary folder (at `final`
+    once complete) as GGUF_FILE, checked as `export_gguf` checks it, and the folder sealed (halfsafe.json lists it)."""
+    from ..io.report import seal
+
+    folder = Path(folder)
+    report = _write_gguf(folder, folder / GGUF_FILE, llama_cpp, check_gguf_source(folder, llama_cpp))
+    seal(folder)
+    report.path = str(Path(final) / GGUF_FILE) if final is not None else report.path
+    return report
+
+
+def _write_gguf(folder: Path, out: Path, llama_cpp: Path, model_type: str) -> GgufExportReport:
+    """prepare_for_llama_cpp's copy and llama.cpp's converter in temporary names beside `out`; the GGUF read back and
+    renamed to `out` only if every stored tensor is the checkpoint's own, exact."""
+    from ..io.paths import write_file
+
     result: dict = {}
 
     def write(tmp: Path) -> None:

@@ -24,7 +24,7 @@ from .margin import MarginOptions
 CONVERT_TEXT = TextOptions(seq_len=512, max_samples=8)
 APPLY_TEXT = TextOptions(seq_len=256, max_samples=2)  # a brief scan of the result
 CANDIDATES = 3  # residual scales measured in float16 at most (besides those above the margin's)
-TARGETS = ("onnx",)  # convert --to
+TARGETS = ("onnx", "gguf")  # convert --to
 
 
 @dataclass(frozen=True)
