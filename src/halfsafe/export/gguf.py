@@ -185,9 +185,10 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
         proj = base.rsplit(".", 1)[-1]
         if proj in heads and want.shape[0] % (2 * heads[proj]) == 0:  # llama.cpp's rotary layout for some archs
             layouts["rope-permuted"] = _rope_permuted(want, heads[proj])
-        layouts = {k: v.reshape(-1)[: got.numel()] for k, v in layouts.items()}  # llama.cpp drops Gemma's unused vocabulary rows
-        layout = next((k for k, v in layouts.items() if v.numel() == got.numel() and torch.equal(got, v)), None)
-        value = layouts[layout or "as is"]
+        if "embed_tokens" in name:  # llama.cpp drops Gemma's unused vocabulary rows: the rows it keeps, compared
+            layouts = {k: v.reshape(-1)[: got.numel()] for k, v in layouts.items()}
+        layout = next((k for k, v in layouts.items() if v.numel() == got.numel() and torch.equal(got, v.reshape(-1))), None)
+        value = layouts[layout or "as is"].reshape(-1)
         diff = float((got - value).abs().max()) if got.numel() == value.numel() else float("inf")
         rows.append({"tensor": name, "gguf": gname + suffix, "dtype": t.tensor_type.name, "layout": layout,
                      "exact": layout is not None, "max_abs_diff": diff})
