@@ -21,7 +21,7 @@ from halfsafe.calibration import default_text
 from halfsafe.cli import main
 from halfsafe.convert import convert_checkpoint
 from halfsafe.errors import HalfsafeError
-from halfsafe.export.gguf import compare_gguf, export_gguf, prepare_for_llama_cpp
+from halfsafe.export.gguf import check_gguf_target, compare_gguf, export_gguf, prepare_for_llama_cpp
 
 
 @pytest.fixture
@@ -353,6 +353,12 @@ def test_convert_to_gguf_refuses_before_converting(llama_cpp, tmp_path, capsys, 
     assert main(["convert", str(tmp_path / "gpt_neo"), str(tmp_path / "out"), "--to", "gguf"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not know GPTNeoForCausalLM" in err, err
+    linked = tmp_path / "linked"  # the API's own check reads config.json only once it is a file inside the folder
+    linked.mkdir()
+    (linked / "config.json").symlink_to(tmp_path / "gpt_neo" / "config.json")
+    with pytest.raises(HalfsafeError, match="outside the model folder"):
+        check_gguf_target(linked)
+    before = _listing(tmp_path)
     monkeypatch.setenv("HALFSAFE_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("HALFSAFE_LLAMA_CPP_DIR", raising=False)
     assert main(["convert", str(llama), str(tmp_path / "out"), "--to", "gguf"]) == 2

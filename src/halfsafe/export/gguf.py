@@ -287,10 +287,13 @@ def export_gguf(folder: str | Path, out: str | Path, llama_cpp_dir: str | Path |
 def check_gguf_target(source: str | Path, llama_cpp_dir: str | Path | None = None) -> Path:
     """Before `convert --to gguf` spends its time converting: the llama.cpp to run, and a local model whose
     architecture its converter does not know refused (checked again on the converted folder)."""
+    from ..io.trust import check_folder
+
     llama_cpp = find_llama_cpp(llama_cpp_dir)
     config = Path(source).expanduser() / "config.json"
     known = llama_cpp_architectures(llama_cpp)
     if known is not None and config.is_file():
+        check_folder(config.parent)  # first: a config.json linking outside the folder is refused, never read
         try:
             raw = json.loads(config.read_text())
         except (OSError, ValueError):
