@@ -377,3 +377,146 @@ def test_compare_gguf_finds_a_tensor_cut_short(half_folder, tmp_path_factory, da
     cut = {**tensors, name: tensors[name][:-1].contiguous()}
     got = compare_gguf(_hand_gguf(tmp_path_factory.mktemp("cut") / "x.gguf", half_folder, cut), half_folder)
     assert [r["tensor"] for r in got["rows"] if not r["exact"]] == [name]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What llama.cpp assumes without reading config.json: which blocks attend through a sliding window, Gemma's scale
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _gemma3(layer_types: list[str], **fields):
+    from tiny import TINY
+
+    config = TINY["gemma3_text"]()
+    config.num_hidden_layers, config.layer_types = len(layer_types), layer_types
+    for k, v in fields.items():
+        setattr(config, k, v)
+    return config
+
+
+def _llama_cpp_gemma3_layout(n: int, period: int = 6) -> list[str]:
+    """llama.cpp's Gemma 3 without a pattern in the GGUF (src/models/gemma3.cpp, load_swa_pattern(ml, 6)): the last
+    block of every six global, the others sliding."""
+    return ["sliding_attention" if i % period < period - 1 else "full_attention" for i in range(n)]
+
+
+LAYER_TYPES = st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=1, max_size=14)
+
+
+@settings(max_examples=60, deadline=None)
+@given(types=LAYER_TYPES)
+def test_gemma3_layer_types_other_than_llama_cpps_are_named(types):
+    """Any Gemma 3 layer_types: no difference exactly where they are llama.cpp's fixed layout, before the converter runs
+    and as a GGUF without a pattern reads back; a GGUF recording the layout block by block matches any of them."""
+    from halfsafe.export.gguf import llama_cpp_differences
+
+    config = _gemma3(types)
+    same = types == _llama_cpp_gemma3_layout(len(types))
+    assert (llama_cpp_differences(config) == []) == same
+    assert (llama_cpp_differences(config, {"arch": "gemma3", "window": 8, "pattern": None}) == []) == same
+    flags = [t == "sliding_attention" for t in types]
+    assert llama_cpp_differences(config, {"arch": "gemma3", "window": 8, "pattern": flags}) == []
+    assert (llama_cpp_differences(config, {"arch": "gemma3", "window": 0, "pattern": flags}) == []) == (not any(flags))
+    assert (llama_cpp_differences(config, {"arch": "gemma3", "window": 9, "pattern": flags}) == []) == (not any(flags))
+
+
+@settings(max_examples=40, deadline=None)
+@given(types=LAYER_TYPES)
+def test_gemma2_layer_types_other_than_alternating_are_named(types):
+    """llama.cpp's Gemma 2 (src/models/gemma2.cpp, load_swa_pattern(ml, 2)): sliding, global, sliding, ..."""
+    from tiny import TINY
+
+    from halfsafe.export.gguf import llama_cpp_differences
+
+    config = TINY["gemma2"]()
+    config.num_hidden_layers, config.layer_types = len(types), types
+    same = types == _llama_cpp_gemma3_layout(len(types), period=2)
+    assert (llama_cpp_differences(config) == []) == same
+    assert (llama_cpp_differences(config, {"arch": "gemma2", "window": 8, "pattern": None}) == []) == same
+    # no window in the GGUF: llama.cpp's 4096, which never binds within max_position_embeddings 128
+    no_window = llama_cpp_differences(config, {"arch": "gemma2", "window": None, "pattern": None})
+    assert (no_window == []) == all(t == "full_attention" for t in types)
+
+
+@pytest.mark.parametrize("key, fields, says", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "[full, window 16]"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, "[window 16, window 16]"),
+    ("phi3", {"sliding_window": 16}, "llama.cpp's phi3 assumes [full, full]"),
+    ("mistral", {"sliding_window": 16}, "[window 16, window 16]"),
+    ("gemma3_text", {"query_pre_attn_scalar": 32}, "query_pre_attn_scalar 32"),
+    ("gemma2", {"query_pre_attn_scalar": 8}, "query_pre_attn_scalar 8"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional"),
+])
+def test_what_llama_cpp_would_assume_otherwise_is_named(key, fields, says):
+    """Qwen2/3 with a sliding window (llama.cpp reads none), Phi-3's (read, then switched off), Mistral's (converted as
+    llama), Gemma's attention scale (not in the GGUF) and Gemma 3's bidirectional attention; a window no shorter than
+    max_position_embeddings never binds and is no difference."""
+    from tiny import TINY
+
+    from halfsafe.export.gguf import llama_cpp_differences
+
+    config = _gemma3(_llama_cpp_gemma3_layout(6)) if key == "gemma3_text" else TINY[key]()
+    if key == "mistral":  # tests/tiny's has one
+        config.sliding_window = None
+    assert llama_cpp_differences(config) == []
+    for k, v in fields.items():
+        setattr(config, k, v)
+    if key.startswith("qwen"):  # transformers derives layer_types from these at construction
+        config = type(config)(**{**config.to_dict(), "layer_types": None})
+    found = llama_cpp_differences(config)
+    assert len(found) == 1 and says in found[0], found
+    if "sliding_window" in fields and key != "qwen2" and key != "qwen3":
+        config.sliding_window = config.max_position_embeddings
+        assert llama_cpp_differences(config) == []
+
+
+def test_a_gemma3_in_another_layout_is_refused_before_the_converter_runs(llama_cpp, converted, tmp_path, capsys, monkeypatch):
+    """tests/tiny's Gemma 3 alternates sliding and global blocks; llama.cpp would run its block 1 through the window:
+    one line naming the layer layout, exit 2, nothing written, the converter never run (export gguf and the API);
+    the same layout as llama.cpp's (the 6-block tiny) exports, and its GGUF reads back no pattern of its own."""
+    import halfsafe.export.gguf as gguf_export
+
+    (tmp_path / "src").mkdir()
+    make_tiny("gemma3_text").to(torch.bfloat16).save_pretrained(tmp_path / "src" / "original")
+    convert_checkpoint(str(tmp_path / "src" / "original"), str(tmp_path / "src" / "converted"), seq_len=32,
+                       max_samples=2, progress=False)
+    folder = tmp_path / "src" / "converted"
+    (tmp_path / "out").mkdir()
+    capsys.readouterr()  # the conversion's own output
+
+    def ran(*args, **kwargs):
+        pytest.fail("llama.cpp's converter ran on a Gemma 3 whose layout llama.cpp would not compute")
+
+    monkeypatch.setattr(gguf_export, "convert_with_llama_cpp", ran)
+    assert main(["export", "gguf", str(folder), str(tmp_path / "out" / "g.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "[window 8, full]" in err and "assumes [window 8, window 8]" in err and "llama.cpp" in err, err
+    with pytest.raises(HalfsafeError, match="block 1 first"):
+        export_gguf(folder, tmp_path / "out" / "g.gguf")
+    assert _listing(tmp_path / "out") == []
+    monkeypatch.undo()
+    good = converted("gemma3_text")
+    assert main(["export", "gguf", str(good), str(tmp_path / "out" / "g.gguf")]) == 0
+    assert gguf_export.gguf_attention(tmp_path / "out" / "g.gguf") == {"arch": "gemma3", "window": 8, "pattern": None}
+
+
+def test_a_gguf_recording_another_layout_is_refused_on_read_back(llama_cpp, converted, tmp_path, capsys, monkeypatch):
+    """The read-back checks what the GGUF records, not only what the converter is expected to write: a converter that
+    writes a window of 4 for the 6-block Gemma 3 (config.json: 8) is refused and nothing is written."""
+    import halfsafe.export.gguf as gguf_export
+
+    real = gguf_export.convert_with_llama_cpp
+    folder = converted("gemma3_text")
+
+    def narrower(prepared, tmp, *args, **kwargs):
+        config = json.loads((Path(prepared) / "config.json").read_text())
+        (Path(prepared) / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
+        return real(prepared, tmp, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_export, "convert_with_llama_cpp", narrower)
+    (tmp_path / "out").mkdir()
+    capsys.readouterr()
+    assert main(["export", "gguf", str(folder), str(tmp_path / "out" / "g.gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "window 4" in err and "llama.cpp" in err, err
+    assert _listing(tmp_path / "out") == []

@@ -212,6 +212,98 @@ def compare_gguf(gguf_path: str | Path, converted: str | Path) -> dict:
     }
 
 
+# What llama.cpp (this release's src/models/<arch>.cpp) computes without reading it from config.json. The GGUF holds
+# `{arch}.attention.sliding_window` (the window) and may hold `sliding_window_pattern` (one flag per block, or a
+# period); without a pattern gemma2 and gemma3 take a period of their own (the last block of each period global, the
+# rest sliding), gemma2 a window of 4096 without one, and every other architecture here attends fully in every block
+# (qwen2, qwen3, llama read no window; phi3 reads one and switches it off). The attention scale of Gemma 2 and 3 is
+# not in the GGUF: 1/sqrt(head_dim), or 1/sqrt(hidden/heads) at the 27B depth, where transformers uses
+# query_pre_attn_scalar.
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+_SWA_DEFAULT = {"gemma2": 4096}  # a window without one in the GGUF
+_SCALE_27B_DEPTH = {"gemma2": 46, "gemma3": 62}  # the depth at which the scale is 1/sqrt(hidden/heads)
+_ARCH_OF = {"gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3"}  # model_type -> llama.cpp's
+
+
+def _gguf_windows(arch: str, n_layer: int, window: int | None, pattern) -> list[int | None]:
+    """Each block's sliding window as llama.cpp's loader sets it from the GGUF's window and pattern (None: full)."""
+    if arch not in _SWA_PERIOD:
+        return [None] * n_layer
+    window = _SWA_DEFAULT.get(arch) if window is None else window
+    if not window:
+        return [None] * n_layer
+    if isinstance(pattern, list):
+        flags = [bool(f) for f in pattern][:n_layer]
+    else:
+        period = _SWA_PERIOD[arch] if pattern is None else int(pattern)
+        flags = [period == 0 or i % period < period - 1 for i in range(n_layer)]
+    return [window if f else None for f in flags]
+
+
+def _config_windows(text) -> list[int | None]:
+    """Each block's sliding window as transformers computes it (layer_types, else the one window every block uses);
+    a window no shorter than max_position_embeddings never binds, so it is full attention."""
+    n, window = text.num_hidden_layers, getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    windows = [window if t == "sliding_attention" else None for t in types] if types else [window] * n
+    longest = getattr(text, "max_position_embeddings", None)
+    return [None if w is None or (longest and w >= longest) else int(w) for w in windows]
+
+
+def _blocks(windows: list[int | None]) -> str:
+    kinds = ["full" if w is None else f"window {w}" for w in windows]
+    return "[" + ", ".join(kinds) + "]"
+
+
+def llama_cpp_differences(config, gguf: dict | None = None) -> list[str]:
+    """What llama.cpp would compute otherwise than transformers does with `config`: per-block attention (sliding
+    window or full), the attention scale, bidirectional attention; each in words, empty where none. `gguf`: the
+    GGUF's arch, window and pattern as read back (gguf_attention); without it (before the converter runs) as the
+    converter's set_gguf_parameters writes them."""
+    text = config.get_text_config()
+    if gguf is not None:
+        arch, window, pattern = gguf["arch"], gguf["window"], gguf["pattern"]
+    else:
+        arch = _ARCH_OF.get(text.model_type) or _ARCH_OF.get(config.model_type) or text.model_type
+        pattern = None  # no converter of these architectures writes one
+        window = None if arch == "gemma3" and getattr(text, "sliding_window_pattern", None) == 1 else getattr(text, "sliding_window", None)
+    n = text.num_hidden_layers
+    ours, theirs = _config_windows(text), _gguf_windows(arch, n, window, pattern)
+    longest = getattr(text, "max_position_embeddings", None)
+    theirs = [None if w is None or (longest and w >= longest) else w for w in theirs]
+    found = []
+    if ours != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        found.append(f"attention per block {_blocks(ours)} where llama.cpp's {arch} assumes {_blocks(theirs)} "
+                     f"(block {first} first)")
+    scalar = getattr(text, "query_pre_attn_scalar", None)
+    if arch in _SCALE_27B_DEPTH and scalar is not None:
+        width = text.hidden_size / text.num_attention_heads if n == _SCALE_27B_DEPTH[arch] else text.head_dim
+        if np.float32(1 / np.sqrt(float(width))) != np.float32(float(scalar) ** -0.5):
+            found.append(f"query_pre_attn_scalar {scalar} where llama.cpp's {arch} scales attention by 1/sqrt({width:g})")
+    if getattr(text, "use_bidirectional_attention", False):
+        found.append(f"bidirectional attention where llama.cpp's {arch} is causal")
+    return found
+
+
+def check_llama_cpp_assumptions(config, folder, gguf: dict | None = None) -> None:
+    found = llama_cpp_differences(config, gguf)
+    if found:
+        raise HalfsafeError(f"{folder}: config.json has {'; '.join(found)}: llama.cpp would compute another function, so "
+                            "no GGUF for it; use another runtime (export onnx, vLLM, transformers)")
+
+
+def gguf_attention(gguf_path: str | Path) -> dict:
+    """The GGUF's architecture, sliding window and pattern as llama.cpp's loader reads them (None where absent)."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+    arch = fields["general.architecture"].contents()
+    window, pattern = (fields.get(f"{arch}.attention.{k}") for k in ("sliding_window", "sliding_window_pattern"))
+    return {"arch": arch, "window": None if window is None else int(window.contents()),
+            "pattern": None if pattern is None else pattern.contents()}
+
+
 @dataclass
 class GgufExportReport:
     path: str
@@ -246,6 +338,7 @@ def check_gguf_source(folder: str | Path, llama_cpp_dir: Path) -> str:
         raise HalfsafeError(f"{folder}: llama.cpp's converter ({llama_cpp_dir}) does not know model_type "
                             f"{config.model_type!r} ({', '.join(archs) or 'no architectures in config.json'}): "
                             "no GGUF for it; use another runtime (export onnx, vLLM, transformers)")
+    check_llama_cpp_assumptions(config, folder)  # as data, before the converter runs
     return config.model_type
 
 
@@ -287,6 +380,7 @@ def export_gguf(folder: str | Path, out: str | Path, llama_cpp_dir: str | Path |
 def check_gguf_target(source: str | Path, llama_cpp_dir: str | Path | None = None) -> Path:
     """Before `convert --to gguf` spends its time converting: the llama.cpp to run, and a local model whose
     architecture its converter does not know refused (checked again on the converted folder)."""
+    from ..io.loading import read_config
     from ..io.trust import check_folder
 
     llama_cpp = find_llama_cpp(llama_cpp_dir)
@@ -303,6 +397,11 @@ def check_gguf_target(source: str | Path, llama_cpp_dir: str | Path | None = Non
         if archs and not any(a in known for a in archs):
             raise HalfsafeError(f"{source}: llama.cpp's converter ({llama_cpp}) does not know {', '.join(archs)} "
                                 f"(model_type {raw.get('model_type')!r}): no GGUF for it; convert without --to gguf")
+        try:
+            parsed = read_config(config.parent)
+        except HalfsafeError:
+            return llama_cpp  # the conversion reports it in its own words
+        check_llama_cpp_assumptions(parsed, source)  # the conversion keeps the attention layout: refused now, not after
     return llama_cpp
 
 
@@ -324,6 +423,7 @@ def add_gguf(folder: str | Path, llama_cpp: Path, final: str | Path | None = Non
 def _write_gguf(folder: Path, out: Path, llama_cpp: Path, model_type: str) -> GgufExportReport:
     """prepare_for_llama_cpp's copy and llama.cpp's converter in temporary names beside `out`; the GGUF read back and
     renamed to `out` only if every stored tensor is the checkpoint's own, exact."""
+    from ..io.loading import read_config
     from ..io.paths import write_file
 
     result: dict = {}
@@ -333,6 +433,7 @@ def _write_gguf(folder: Path, out: Path, llama_cpp: Path, model_type: str) -> Gg
             prepared = prepare_for_llama_cpp(folder, Path(work) / "prepared")
             convert_with_llama_cpp(prepared, tmp, llama_cpp, name=folder)
         result.update(compare_gguf(tmp, folder))
+        check_llama_cpp_assumptions(read_config(folder), folder, gguf_attention(tmp))  # again, as the GGUF records it
         wrong = [r for r in result["rows"] if r["exact"] is False]
         if wrong or not result["tensors_compared"]:
             first = wrong[0] if wrong else None
