@@ -399,11 +399,21 @@ def _llama_cpp_gemma3_layout(n: int, period: int = 6) -> list[str]:
     return ["sliding_attention" if i % period < period - 1 else "full_attention" for i in range(n)]
 
 
-LAYER_TYPES = st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=1, max_size=14)
+def _layer_types(period: int):
+    """llama.cpp's layout for 1 to 14 blocks with any set of blocks flipped (none: the layout itself)."""
+    flip = {"sliding_attention": "full_attention", "full_attention": "sliding_attention"}
+
+    @st.composite
+    def draw(draw):
+        layout = _llama_cpp_gemma3_layout(draw(st.integers(1, 14)), period)
+        flips = draw(st.sets(st.integers(0, len(layout) - 1), max_size=len(layout)))
+        return [flip[t] if i in flips else t for i, t in enumerate(layout)]
+
+    return draw()
 
 
 @settings(max_examples=60, deadline=None)
-@given(types=LAYER_TYPES)
+@given(types=_layer_types(6))
 def test_gemma3_layer_types_other_than_llama_cpps_are_named(types):
     """Any Gemma 3 layer_types: no difference exactly where they are llama.cpp's fixed layout, before the converter runs
     and as a GGUF without a pattern reads back; a GGUF recording the layout block by block matches any of them."""
@@ -420,7 +430,7 @@ def test_gemma3_layer_types_other_than_llama_cpps_are_named(types):
 
 
 @settings(max_examples=40, deadline=None)
-@given(types=LAYER_TYPES)
+@given(types=_layer_types(2))
 def test_gemma2_layer_types_other_than_alternating_are_named(types):
     """llama.cpp's Gemma 2 (src/models/gemma2.cpp, load_swa_pattern(ml, 2)): sliding, global, sliding, ..."""
     from tiny import TINY
@@ -520,3 +530,14 @@ def test_a_gguf_recording_another_layout_is_refused_on_read_back(llama_cpp, conv
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "window 4" in err and "llama.cpp" in err, err
     assert _listing(tmp_path / "out") == []
+
+
+def test_convert_to_gguf_refuses_a_layout_llama_cpp_would_not_compute_before_converting(llama_cpp, tmp_path, capsys):
+    """`convert --to gguf` of the alternating tiny Gemma 3: one line naming the layout, exit 2, before the conversion."""
+    make_tiny("gemma3_text").to(torch.bfloat16).save_pretrained(tmp_path / "gemma3")
+    capsys.readouterr()
+    before = _listing(tmp_path)
+    assert main(["convert", str(tmp_path / "gemma3"), str(tmp_path / "out"), "--to", "gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "[window 8, full]" in err and "llama.cpp would compute another function" in err, err
+    assert _listing(tmp_path) == before
