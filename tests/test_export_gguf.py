@@ -532,9 +532,13 @@ def test_a_gguf_recording_another_layout_is_refused_on_read_back(llama_cpp, conv
     assert _listing(tmp_path / "out") == []
 
 
-def test_convert_to_gguf_refuses_a_layout_llama_cpp_would_not_compute_before_converting(llama_cpp, tmp_path, capsys):
+def test_convert_to_gguf_refuses_a_layout_llama_cpp_would_not_compute_before_converting(llama_cpp, tmp_path, capsys,
+                                                                                       monkeypatch):
     """`convert --to gguf` of the alternating tiny Gemma 3: one line naming the layout, exit 2, before the conversion."""
+    import halfsafe.convert
+
     make_tiny("gemma3_text").to(torch.bfloat16).save_pretrained(tmp_path / "gemma3")
+    monkeypatch.setattr(halfsafe.convert, "run_convert", lambda *a, **k: pytest.fail("converted before refusing"))
     capsys.readouterr()
     before = _listing(tmp_path)
     assert main(["convert", str(tmp_path / "gemma3"), str(tmp_path / "out"), "--to", "gguf"]) == 2
