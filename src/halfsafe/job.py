@@ -10,6 +10,7 @@ the one save (halfsafe.io.checkpoint) writes the weights, the tokenizer, halfsaf
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from .errors import HalfsafeError
 from .io.loading import LoadedModel
 from .io.report import Record
 from .progress import phase
@@ -118,11 +120,18 @@ def start(source, out, overwrite: bool, stream: bool, device, progress: bool, to
 def calibration(loaded: LoadedModel, texts: list[str] | None, seq_len: int, max_samples: int | None,
                 extra: Extra | None = None) -> tuple[Job, Callable]:
     """The samples cut from `texts` (default: the embedded text), `extra(tokenizer, vocab)` appended when given, and
-    the tokenizer set aside: the job, and the callable that gives the tokenizer back for the save."""
-    from .calibration import make_samples, read_texts
+    the tokenizer set aside: the job, and the callable that gives the tokenizer back for the save. A model with
+    learned positions gets samples no longer than they reach (calibration.fit_positions: shortened, with a note
+    on stderr; a longer extra sample, --long-sample, is refused before any forward pass)."""
+    from .calibration import fit_positions, make_samples, position_limit, read_texts
 
     vocab = loaded.model.config.get_text_config().vocab_size
+    seq_len = fit_positions(loaded.model, seq_len, lambda text: print(f"note: {text}", file=sys.stderr))
     samples = make_samples(texts or read_texts(None), loaded.tokenizer, vocab, seq_len, max_samples)
     if extra is not None:
         samples.append(extra(loaded.tokenizer, vocab))
+        limit = position_limit(loaded.model)
+        if limit is not None and samples[-1].shape[-1] > limit:
+            raise HalfsafeError(f"--long-sample {samples[-1].shape[-1]} is longer than the model's {limit} learned "
+                                f"positions (max_position_embeddings): use --long-sample {limit} or less")
     return Job(loaded, samples), loaded.set_tokenizer_aside()

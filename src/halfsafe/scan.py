@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -11,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from .calibration import make_samples, read_texts
+from .calibration import fit_positions, make_samples, read_texts
 from .core.formats import FP16_MAX
 from .core.forward import model_inputs, prefix, run_for_stats
 from .core.sites import Site, block_of, find_blocks, headroom_bits
@@ -222,6 +223,7 @@ def run_scan(request: ScanRequest) -> ScanReport:
     text = request.text
     loaded = loading.load_model(request.model, stream=request.engine.stream, device=request.engine.device,
                                 **({"tokenizer": text.tokenizer} if text.tokenizer else {}))
+    seq_len = fit_positions(loaded.model, text.seq_len, lambda said: print(f"note: {said}", file=sys.stderr))
     samples = make_samples(text.text_list or read_texts(None), loaded.tokenizer,
-                           loaded.model.config.get_text_config().vocab_size, text.seq_len, text.max_samples)
+                           loaded.model.config.get_text_config().vocab_size, seq_len, text.max_samples)
     return scan_with(loaded.model, samples, request.options, request.progress, name=str(request.model))

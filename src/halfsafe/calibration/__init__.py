@@ -137,6 +137,31 @@ def make_samples(
     return samples
 
 
+POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # gpt2, gpt_neo / bert, opt / bart / pegasus
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The longest input the model's learned absolute positions cover (its shortest such table, less the rows an
+    offset skips: BART's 2, RoBERTa's padding row and those below it), None where it has none (rotary, ALiBi,
+    relative): a longer one indexes past it."""
+    sizes = [m.num_embeddings - int(getattr(m, "offset", 0)) - (m.padding_idx + 1 if m.padding_idx is not None else 0)
+             for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLES]
+    return min(sizes) if sizes else None
+
+
+def fit_positions(model: torch.nn.Module, seq_len: int, note=None) -> int:
+    """`seq_len` where the model's learned positions cover it, else their limit, said through `note(text)`: samples
+    as long as the model reads (a default of 512 meets a 128-position tiny model; a GPT-2 reads 1024)."""
+    limit = position_limit(model)
+    if limit is None or seq_len <= limit:
+        return seq_len
+    if note is not None:
+        note(f"samples of {limit} tokens, not {seq_len} (--seq-len): the model's learned positions end there "
+             "(max_position_embeddings)")
+    return limit
+
+
 def long_sample_ids(tokenizer, vocab_size: int, n_tokens: int) -> torch.Tensor:
     """One [1, n_tokens] sample for calibrating long contexts, without a long text file: BOS (when the
     tokenizer has one), then the embedded calibration text repeated (never the held-out text)."""
