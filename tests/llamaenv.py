@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.setup_scripts import made_by
+
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup-llama-cpp"
 CASE = Path(__file__).resolve().parent / "llama_case.py"
@@ -24,13 +26,7 @@ SPEC = "llama-cpp-python==0.3.36"  # scripts/setup-llama-cpp's default pin
 def environment() -> tuple[Path | None, str]:
     """(the folder scripts/setup-llama-cpp made: venv/, llama.cpp/, pylib/) once it is made, or (None, why not: a skip
     reason). The converter's sentencepiece is built for this python, which runs the converter."""
-    if sys.platform != "linux" or os.uname().machine != "x86_64":
-        return None, f"{SPEC} is tested on x86-64 Linux only"
-    done = subprocess.run([str(SETUP)], capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHON": sys.executable})
-    folder = Path(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else None
-    if done.returncode != 0 or folder is None or not (folder / "venv" / "bin" / "python").is_file():
-        return None, (done.stderr.strip().splitlines() or ["scripts/setup-llama-cpp made no environment"])[-1]
-    return folder, ""
+    return made_by(SETUP, SPEC, "venv/bin/python", timeout=3600, env={**os.environ, "PYTHON": sys.executable})
 
 
 def sentencepiece_model(folder: Path, out: Path, text: str, vocab: int = 160) -> None:

