@@ -45,6 +45,9 @@ RUNS = {  # name -> (folder kind, precision)
     "original_fp16": ("original", "fp16"),
 }
 SEED = 0
+# a vLLM process of these runs: offline, the engine in this process (TRL's colocate mode), threads left unpinned
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 # three solved sums before each question: the base model then answers about half of them right at temperature 1
 # (14 of 24 with a similar prefix, transformers fp32), so a group of 4 samples mostly has rewards to compare
 SHOTS = "2 + 3 = 5\n4 + 4 = 8\n6 + 1 = 7\n"
@@ -77,8 +80,7 @@ def reward(completions, answer, **kw) -> list[float]:
 
 
 def worker(job: dict) -> dict:
-    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1",
-                      TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    os.environ.update(VLLM_ENV)
     import functools
 
     import torch

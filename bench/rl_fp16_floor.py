@@ -30,8 +30,7 @@ CASES = {"halfsafe_fp16": ("converted", "float16"), "original_bf16": ("original"
 
 def measure(job: dict) -> dict:
     """In the vLLM environment: vLLM's sampled tokens and log-probabilities, then transformers' on the same tokens."""
-    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1",
-                      TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    os.environ.update(rl_fp16.VLLM_ENV)
     import gc
 
     import torch
