@@ -395,7 +395,8 @@ class _Config:
 def recorded(monkeypatch):
     """Every slow step of convert_checkpoint / apply_checkpoint replaced by a recorder of its arguments."""
     calls = []
-    loaded = SimpleNamespace(model=SimpleNamespace(config=_Config()), tokenizer="TOK", folder=Path("/the/source"))
+    model = SimpleNamespace(config=_Config(), named_modules=lambda: iter(()))  # no learned positions: seq_len kept
+    loaded = SimpleNamespace(model=model, tokenizer="TOK", folder=Path("/the/source"))
     loaded.set_tokenizer_aside = lambda: (lambda: "TOK again")  # the tokenizer is dropped, and given back to save
     report = SimpleNamespace(record=lambda source: {"source": source, "plan": "P", "peak_before": 1.0}, storage=[], reads=Reads())
     sample = torch.zeros(1, 4, dtype=torch.long)
