@@ -104,7 +104,8 @@ class HeadroomCallback(TrainerCallback, ExportableState):
             return
         if self.applied_exponents:  # resumed: the weights carry them; the optimizer state does not
             family = self._rescaler.family
-            moved = all(getattr(model.config, a, None) == v for a, v in self.eps.items())
+            now = config_eps(model.config)
+            moved = all(now.get(k) == v for k, v in self.eps.items())
             self._rescaler.install_(self.applied_exponents, eps_already_moved=moved)
             log.info("halfsafe: resumed with rescale %s on top of the optimizer's coordinates (%s)", self.applied_exponents, family.name)
 
@@ -205,10 +206,23 @@ class HeadroomCallback(TrainerCallback, ExportableState):
         for k, v in exps.items():
             self.applied_exponents[k] = self.applied_exponents.get(k, 0) + v
         self.applied_exponents = {k: v for k, v in self.applied_exponents.items() if v}
-        self.eps = {a: getattr(self._model.config, a) for a in r.family.eps_attrs if getattr(self._model.config, a, None) is not None}
+        self.eps = config_eps(self._model.config)
         self.rescales.append({"step": step, "exponents": exps, "min_bits_before": bits[min(bits, key=bits.get)]})
         log.warning("halfsafe: at step %d, rescaled %s exactly (%s) to restore %.1f bits of float16 headroom",
                     step, r.family.name, _describe(exps), self.rescale_to_bits)
+
+
+def config_eps(config) -> dict[str, float]:
+    """Every eps-like float field of `config` and its sub-configs, by dotted name ("rms_norm_eps",
+    "text_config.rms_norm_eps"): what a rescale may move, read one way for the resume check, the RL loop's record
+    and vLLM's copy (halfsafe.training.rl.sync_vllm_eps)."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items() if "eps" in str(k) and isinstance(v, float)})
+        elif "eps" in key and isinstance(value, float):
+            out[key] = value
+    return out
 
 
 def _num(x: float) -> float:

@@ -104,17 +104,6 @@ def _repack(model) -> int:
     return n
 
 
-def _eps_fields(config) -> dict[str, float]:
-    """Every eps-like float field of `config` and its sub-configs, by dotted name."""
-    out = {}
-    for key, value in config.to_dict().items():
-        if isinstance(value, dict):
-            out.update({f"{key}.{k}": v for k, v in value.items() if "eps" in str(k) and isinstance(v, float)})
-        elif "eps" in key and isinstance(value, float):
-            out[key] = value
-    return out
-
-
 def sync_vllm_eps(model, before: dict[str, float], after: dict[str, float]) -> int:
     """Write the norm eps a rescale moved into vLLM's `model`: each norm whose eps is the field's old value gets its new
     one. Refused when two fields shared an old value but moved differently, or a moved field matches no norm."""
@@ -193,7 +182,7 @@ class Fp16RL:
         from transformers import TrainerCallback
 
         from ..engine.fp16_arith import fp16_arith as arith_mode
-        from .callback import HeadroomCallback
+        from .callback import HeadroomCallback, config_eps
 
         args = trainer.args
         if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", None) != "colocate":
@@ -215,11 +204,11 @@ class Fp16RL:
         plan = _folder_plan(trainer)
         if plan:  # the optimizer in the original model's coordinates (TrainingRescaler.install_)
             self.headroom.applied_exponents = dict(plan)
-            self.headroom.eps = {k: v for k, v in trainer.model.config.to_dict().items() if "eps" in k and isinstance(v, float)}
+            self.headroom.eps = config_eps(trainer.model.config)
         self.headroom.attach(trainer)
         self._grads = _GradPeaks(trainer.model)
         self._pending_mismatch: list[dict] = []
-        self._eps = _eps_fields(trainer.model.config)
+        self._eps = config_eps(trainer.model.config)
         self._t0 = None
         self._scale = 1.0
         loop = self
@@ -269,7 +258,7 @@ class Fp16RL:
                 return backward(loss, **kw)
 
         def sync_weights():
-            now = _eps_fields(trainer.model.config)
+            now = config_eps(trainer.model.config)
             model = vllm_model(trainer)
             sync_vllm_eps(model, self._eps, now)
             self._eps = now
