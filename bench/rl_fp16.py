@@ -45,9 +45,9 @@ RUNS = {  # name -> (folder kind, precision)
     "original_fp16": ("original", "fp16"),
 }
 SEED = 0
-# a vLLM process of these runs: offline, the engine in this process (TRL's colocate mode), threads left unpinned
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
-            "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+sys.path.insert(0, str(ROOT / "tests"))  # tests/rl_case.py: the GRPO set-up the tests run, shared
+from rl_case import VLLM_ENV  # noqa: E402
+
 # three solved sums before each question: the base model then answers about half of them right at temperature 1
 # (14 of 24 with a similar prefix, transformers fp32), so a group of 4 samples mostly has rewards to compare
 SHOTS = "2 + 3 = 5\n4 + 4 = 8\n6 + 1 = 7\n"
@@ -81,26 +81,20 @@ def reward(completions, answer, **kw) -> list[float]:
 
 def worker(job: dict) -> dict:
     os.environ.update(VLLM_ENV)
-    import functools
-
     import torch
-    import trl.generation.vllm_generation as generation
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from rl_case import eager_engine, grpo_args
+    from trl import GRPOTrainer
 
     from halfsafe.errors import HalfsafeError
     from halfsafe.training import rl
 
     rl.prepare_vllm()
-    generation.LLM = functools.partial(generation.LLM, enforce_eager=True, kv_cache_memory_bytes=512 << 20)
-    fp16 = job["precision"] == "fp16"
+    eager_engine(512 << 20)
     gpu = torch.cuda.is_available()  # a CUDA build of torch and vLLM: real AMP, vLLM's GPU kernels
-    args = GRPOConfig(output_dir=job["out"], fp16=fp16, bf16=not fp16, use_cpu=not gpu, use_vllm=True, vllm_mode="colocate",
-                      **({"vllm_gpu_memory_utilization": 0.3} if gpu else {}),
-                      vllm_max_model_length=256, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=job["completion"], max_steps=job["steps"], logging_steps=1, report_to=[],
-                      save_strategy="no", learning_rate=job["lr"], seed=SEED, model_init_kwargs={"dtype": "float32"},
-                      disable_tqdm=True)
+    args = grpo_args(job["out"], job["precision"], job["steps"], use_cpu=not gpu,
+                     **({"vllm_gpu_memory_utilization": 0.3} if gpu else {}), vllm_max_model_length=256,
+                     max_completion_length=job["completion"], learning_rate=job["lr"], seed=SEED)
     trainer = GRPOTrainer(model=job["model"], args=args, reward_funcs=reward, train_dataset=Dataset.from_list(prompts()))
     # rescales for halfsafe's run only: the original runs as people run it (loss scaling alone)
     loop = rl.Fp16RL(trainer, rescale_below_bits=1.0 if job.get("rescale") else None, init_scale=job["init_scale"])

@@ -20,16 +20,33 @@ import json
 import os
 import sys
 
-os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1",
-                  TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND="nobind")
+# a vLLM process of these runs (and of bench/rl_fp16*.py): offline, the engine in this process (TRL's colocate mode),
+# threads left unpinned
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+os.environ.update(VLLM_ENV)
 
 
-def _eager_engine() -> None:
+def eager_engine(kv_cache_bytes: int = 32 << 20) -> None:
+    """TRL's colocated engine built as TRL builds it, plus `enforce_eager=True` and a fixed KV cache size."""
     import functools
 
     import trl.generation.vllm_generation as generation
 
-    generation.LLM = functools.partial(generation.LLM, enforce_eager=True, kv_cache_memory_bytes=32 << 20)
+    generation.LLM = functools.partial(generation.LLM, enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes)
+
+
+def grpo_args(out: str, precision: str, steps: int, **more):
+    """The GRPOConfig of these runs and the bench's: `precision`'s autocast ("fp16" with loss scaling, or "bf16"), TRL's
+    colocated vLLM, 2 prompts x 4 samples per step, the policy loaded in float32 (the trainer's master weights), one
+    log per step; `more` sets the rest (learning_rate, seed, max_completion_length, vllm_max_model_length, ...)."""
+    from trl import GRPOConfig
+
+    fp16 = precision == "fp16"
+    more.setdefault("use_cpu", True)
+    return GRPOConfig(output_dir=out, fp16=fp16, bf16=not fp16, use_vllm=True, vllm_mode="colocate",
+                      per_device_train_batch_size=8, num_generations=4, max_steps=steps, logging_steps=1, report_to=[],
+                      save_strategy="no", model_init_kwargs={"dtype": "float32"}, disable_tqdm=True, **more)
 
 
 def _norm_eps(model) -> list[float]:
@@ -46,24 +63,21 @@ def grpo(job: dict) -> dict:
     import math
 
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from halfsafe.errors import HalfsafeError
     from halfsafe.training import rl
 
     rl.prepare_vllm()
-    _eager_engine()
-    fp16 = job.get("precision", "fp16") == "fp16"
+    eager_engine()
     prompts = [{"prompt": f"{a}+{b}="} for a in range(10) for b in range(10)]
 
     def reward(completions, **kw):  # any signal will do: the tests watch the arithmetic, not the learning
         return [float(len(c) % 3) for c in completions]
 
-    args = GRPOConfig(output_dir=job["out"], fp16=fp16, bf16=not fp16, use_cpu=True, use_vllm=True, vllm_mode="colocate",
-                      vllm_max_model_length=128, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=job.get("completion", 16), max_steps=job["steps"], logging_steps=1,
-                      report_to=[], save_strategy="no", learning_rate=job.get("lr", 1e-3), seed=job.get("seed", 0),
-                      model_init_kwargs={"dtype": "float32"}, disable_tqdm=True, optim=job.get("optim", "adamw_torch"))
+    args = grpo_args(job["out"], job.get("precision", "fp16"), job["steps"], vllm_max_model_length=128,
+                     max_completion_length=job.get("completion", 16), learning_rate=job.get("lr", 1e-3),
+                     seed=job.get("seed", 0), optim=job.get("optim", "adamw_torch"))
     trainer = GRPOTrainer(model=job["model"], args=args, reward_funcs=reward, train_dataset=Dataset.from_list(prompts))
     loop = rl.Fp16RL(trainer, rescale_below_bits=job.get("rescale_below_bits", 1.0),
                      rescale_to_bits=job.get("rescale_to_bits", 3.0), init_scale=job.get("init_scale", 2.0 ** 16))
