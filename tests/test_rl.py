@@ -288,3 +288,39 @@ def test_vllm_norms_follow_a_moved_eps_or_the_push_is_refused():
         sync_vllm_eps(nn.Sequential(Norm(1e-6)), {"a": 1e-6, "b": 1e-6}, {"a": 1e-7, "b": 1e-6})
     with pytest.raises(HalfsafeError, match="moved differently"):
         sync_vllm_eps(nn.Sequential(Norm(1e-6)), {"a": 1e-6, "b": 1e-6}, {"a": 1e-7, "b": 1e-8})
+
+
+def test_grad_sampler_keeps_each_outputs_largest_gradient_over_a_steps_backwards():
+    """Two grad-enabled forwards and a no-grad one between arm() and collect(): each block's and leaf's output gets
+    the largest |gradient| either backward sent it (as retain_grad sees it); the no-grad forward adds nothing."""
+    from tiny import make_tiny
+
+    from halfsafe.core.stats import first_tensor
+    from halfsafe.training.headroom import GradSampler
+
+    model = make_tiny("llama").float()
+    sampler = GradSampler(model)
+    outputs: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            t = first_tensor(out)
+            if t is not None and t.requires_grad:
+                t.retain_grad()
+                outputs.setdefault(name, []).append(t)
+        return hook
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n]
+    sampler.arm()
+    for seed in (0, 1):
+        ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(seed))
+        (model(ids).logits.float().pow(2).mean() * (10.0 if seed else 1.0)).backward()
+    with torch.no_grad():
+        model(ids)
+    got = sampler.collect()
+    for h in handles:
+        h.remove()
+    watched = {s.module for s in sampler.sites}  # block outputs and leaves' outputs only
+    want = {f"{n}:grad": max(float(t.grad.abs().max()) for t in ts) for n, ts in outputs.items() if n in watched}
+    assert "model.layers.0:grad" in want and "lm_head:grad" in want and "model.layers.0.mlp.down_proj:grad" in want
+    assert got == want
+    assert not sampler.armed  # collect() takes the hooks off

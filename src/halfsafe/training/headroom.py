@@ -20,7 +20,7 @@ from ..core.stats import SiteCollector
 WATCH_ALL = "all"  # block outputs plus every leaf module's input and output
 WATCH_BLOCKS = "blocks"  # block outputs only (the residual stream)
 
-__all__ = ["WATCH_ALL", "WATCH_BLOCKS", "PeakSampler", "headroom_bits", "plain_fp32_forward"]
+__all__ = ["WATCH_ALL", "WATCH_BLOCKS", "GradSampler", "PeakSampler", "headroom_bits", "plain_fp32_forward"]
 
 
 class PeakSampler(SiteCollector):
@@ -97,6 +97,30 @@ class PeakSampler(SiteCollector):
     def layer_of(self, site: str) -> int | None:
         """The index of the block that owns `site`, None outside the blocks."""
         return self._index.get(block_of(site, self.blocks))
+
+
+class GradSampler(PeakSampler):
+    """The largest |gradient| reaching each output site PeakSampler watches with "all" (block outputs and every leaf's
+    output), over every backward of the grad-enabled forwards between `arm()` and `collect()` (a step's, however
+    many forwards it runs); `collect()` names them "module:grad"."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model, WATCH_ALL)
+        self.sites = [s for s in self.sites if s.kind == "out"]
+
+    def arm(self) -> None:  # no capture of ids, no disarm after one forward: the step's forwards all count
+        if self.armed:
+            return
+        self.peaks = {}
+        self.watch_all(self.sites)
+
+    def record(self, site: str, module: nn.Module, t: torch.Tensor) -> None:
+        if t.requires_grad and t.is_floating_point():
+            t.register_hook(lambda g: super(GradSampler, self).record(site, module, g))
+
+    def collect(self) -> dict[str, float]:
+        self.disarm()
+        return {f"{Site.parse(site).module}:grad": v for site, v in super().collect().items()}
 
 
 @contextmanager

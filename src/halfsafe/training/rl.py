@@ -49,8 +49,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.sites import find_blocks, headroom_bits
+from ..core.sites import headroom_bits
 from ..errors import HalfsafeError
+from .headroom import GradSampler
 from .mismatch import KEYS, rollout_mismatch
 
 log = logging.getLogger("halfsafe.training")
@@ -206,7 +207,7 @@ class Fp16RL:
             self.headroom.applied_exponents = dict(plan)
             self.headroom.eps = config_eps(trainer.model.config)
         self.headroom.attach(trainer)
-        self._grads = _GradPeaks(trainer.model)
+        self._grads = GradSampler(trainer.model)
         self._pending_mismatch: list[dict] = []
         self._eps = config_eps(trainer.model.config)
         self._t0 = None
@@ -332,49 +333,6 @@ class Fp16RL:
                            "peaks/backward_min_bits": _num(headroom_bits(grads[site]))})
         record["peaks/loss_scale"] = record["loss_scale"]
         self.steps.append(record)
-
-
-class _GradPeaks:
-    """The largest |gradient| reaching each watched site's output in one step's backward (grad-enabled forwards only)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.peaks: dict[str, torch.Tensor] = {}
-        self._handles: list = []
-
-    def arm(self) -> None:
-        self.disarm()
-        self.peaks = {}
-        blocks = set(find_blocks(self.model))
-        for name, module in self.model.named_modules():
-            if name and (name in blocks or next(module.children(), None) is None):  # block outputs and every leaf's
-                self._handles.append(module.register_forward_hook(self._hook(name)))
-
-    def _hook(self, name: str):
-        def hook(module, args, output):
-            t = output[0] if isinstance(output, tuple) else output
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                t.register_hook(lambda g, name=name: self._record(name, g))
-        return hook
-
-    def _record(self, name: str, g: torch.Tensor) -> None:
-        peak = g.detach().abs().amax().float()
-        old = self.peaks.get(name)
-        self.peaks[name] = peak if old is None else torch.maximum(old, peak)
-
-    def disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def collect(self) -> dict[str, float]:
-        self.disarm()
-        out = {}
-        for k, v in self.peaks.items():
-            f = float(v)
-            out[f"{k}:grad"] = math.inf if math.isnan(f) else f
-        self.peaks = {}
-        return out
 
 
 def _num(x: float) -> float:
