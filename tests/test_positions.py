@@ -70,3 +70,25 @@ def test_convert_and_scan_fit_the_positions(key, tmp_path, capsys):
     refused(capsys, ["convert", str(tmp_path / "model"), str(tmp_path / "no"), "--max-samples", "1", "--seq-len", "32",
                      "--long-sample", str(limit + 1)], f"use --long-sample {limit} or less")
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("key", ["gpt2"])
+def test_verify_fits_the_positions(key, tmp_path, capsys):
+    """`halfsafe verify` with its default --seq-len 512 on a converted model whose table of 40 positions is shorter
+    than the samples and than the greedy prompt and tokens it asks for (16 + 32): samples as long as the table,
+    greedy tokens that end with it, each said in a note; the report written, no traceback."""
+    for positions in (40,):
+        torch.manual_seed(0)
+        config = TINY[key]()
+        config.max_position_embeddings = positions
+        model_class_for(config)(config).to(torch.bfloat16).save_pretrained(tmp_path / f"m{positions}")
+        src, out = str(tmp_path / f"m{positions}"), str(tmp_path / f"c{positions}")
+        assert main(["convert", src, out, "--max-samples", "1"]) == 0
+        capsys.readouterr()
+        report = tmp_path / f"v{positions}.json"
+        assert main(["verify", src, out, "--max-samples", "1", "--json", str(report)]) == 0
+        err = capsys.readouterr().err
+        limit = position_limit(model_class_for(config)(config))
+        assert f"note: samples of {limit} tokens, not 512" in err and "Traceback" not in err, err
+        assert ("greedy tokens, not 32" in err) == (limit < 16 + 32), err
+        assert report.is_file()

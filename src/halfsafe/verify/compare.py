@@ -10,6 +10,7 @@ the same way, in float16. An in-memory original is loaded once and each 16-bit m
 from __future__ import annotations
 
 import gc
+import sys
 import tempfile
 from contextlib import contextmanager
 from itertools import groupby
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..calibration import heldout_text
+from ..calibration import fit_positions, heldout_text, position_limit
 from ..core.sites import find_blocks
 from ..core.weights import compute_device
 from ..engine.device import exact_fp16_reductions, resolve_device, return_freed_memory
@@ -110,6 +111,12 @@ def run_verify(request: VerifyRequest) -> VerifyReport:
         texts, text_names = [heldout_text()], ["held-out text (embedded)"]
     text_names = text_names or [f"text {i + 1}" for i in range(len(texts))]  # one per text (VerifyRequest)
     vocab = original.config.get_text_config().vocab_size
+    seq_len = fit_positions(original, seq_len, lambda said: print(f"note: {said}", file=sys.stderr))
+    limit = position_limit(original)
+    if greedy_tokens and limit is not None and prompt_tokens + greedy_tokens > limit:  # generation runs past the table
+        print(f"note: {max(0, limit - prompt_tokens)} greedy tokens, not {greedy_tokens}: the model's learned positions "
+              f"end at {limit}", file=sys.stderr)
+        greedy_tokens = max(0, limit - prompt_tokens)
     inputs = prepare_inputs(texts, text_names, tokenizer, vocab, seq_len, max_samples, prompt_tokens)
     loaded = tokenizer = None  # only the ids are needed from here on (Gemma 3's tokenizer: 0.33 GB)
     return_freed_memory()
