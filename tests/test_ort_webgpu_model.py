@@ -1,7 +1,8 @@
 """A whole exported model on ONNX Runtime's WebGPU provider (lavapipe, real float16) against the `ort-webgpu`
 profile's emulation of it: a tiny Gemma 3 (GELU tanh, float32 RMSNorm statistics, q/k norms) and a tiny Llama
-(SiLU, which ONNX Runtime fuses into QuickGelu), exported plainly (`halfsafe export onnx`), and the Gemma 3 also
-with the profile's split-K (`--runtime ort-webgpu`), one forward over 12 tokens. The emulated logits are the runtime's bit for bit; those of the older profiles (all-fp16: float16 runs of
+(SiLU, which ONNX Runtime fuses into QuickGelu), exported as `halfsafe export onnx` does by default (the profile's
+split-K), and the Gemma 3 also plainly (`--split-k none`), with group counts (`--split-k 16,16,4`) and with a bound
+of 8 terms (every kind of product split, in groups that differ with K), one forward over 12 tokens. The emulated logits are the runtime's bit for bit; those of the older profiles (all-fp16: float16 runs of
 32) are not. Measured the same way on the real Gemma 3 270M (48 tokens, every one of the 262144 logits per token
 equal) and on a tiny GPT-2 (LayerNormalization, Gemm, FastGelu). Measured 29 s (Gemma 3) and 16 s (Llama), most
 of it the export. (At hidden size 64 PyTorch's float32 mean happens to give the runtime's ReduceMean here; on
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime  # noqa: E402
-from halfsafe.runtime.profiles import PROFILES, get_profile  # noqa: E402
+from halfsafe.runtime.profiles import PROFILES, SplitK, get_profile  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,20 +49,20 @@ def _feeds(graph, ids: np.ndarray) -> dict[str, np.ndarray]:
     return feeds
 
 
-@pytest.mark.parametrize("key, runtime", [("gemma3_text", None), ("gemma3_text", "ort-webgpu"), ("gemma3_text", "qk4"),
-                                          ("llama", None)])
-def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key, runtime):
-    """The plain export against the profile without its split-K; `export onnx --runtime ort-webgpu` (K of every
-    linear and of the head in 16 groups: 4 products each at hidden size 64) against the profile itself; "qk4": the
-    profile with attention's QK^T split too (head dim 16 in 4 groups), exported and emulated."""
+@pytest.mark.parametrize("key, split", [("gemma3_text", None), ("gemma3_text", "none"), ("gemma3_text", "16,16,4"),
+                                        ("gemma3_text", "terms:8"), ("llama", None)])
+def test_emulated_logits_are_the_runtime_logits(webgpu_runtime, tmp_path, key, split):
+    """The default export (`split` None) against the profile itself; `--split-k none` against the profile without
+    split-K; "16,16,4": linears and head in 16 groups, QK^T (head dim 16) in 4; "terms:8": hidden 64 in 8 groups,
+    the intermediate 128 in 16, QK^T in 2. Each exported and emulated under the same rule."""
     model = make_tiny(key)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "model")
     profile = get_profile("ort-webgpu")
-    if runtime is None:
-        profile = replace(profile, split_k=(1, 1, 1))
-    elif runtime == "qk4":
-        profile = replace(profile, split_k=(16, 16, 4))
-    export_onnx(tmp_path / "model", tmp_path / "onnx", runtime=None if runtime is None else profile)
+    rule = None if split is None else SplitK.parse(split)
+    if rule is not None:
+        profile = replace(profile, split_k=rule)
+    report = export_onnx(tmp_path / "model", tmp_path / "onnx", split_k=rule)
+    assert report.split_k.get("rule", SplitK().to_dict()) == profile.split_k.to_dict()
     path = tmp_path / "onnx" / ONNX_FILE
     ids = (np.array([[2, 17, 99, 5, 77, 31, 8, 120, 3, 44, 61, 12]]) % model.config.vocab_size).astype(np.int64)
     feeds = _feeds(onnx.load(str(path)).graph, ids)

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny import make_tiny, tiny_ids
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -13,7 +15,7 @@ from halfsafe.errors import HalfsafeError
 from halfsafe.runtime.emulate import emulate_runtime
 from halfsafe.runtime.kernels.generic import attention16
 from halfsafe.runtime.kernels.ort_webgpu import attention_webgpu16
-from halfsafe.runtime.profiles import FP16_STATS, GRAPH_KERNELS, PROFILES, get_profile
+from halfsafe.runtime.profiles import FP16_STATS, GRAPH_KERNELS, KINDS, PROFILES, SplitK, get_profile, split_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 INF = float("inf")
@@ -56,11 +58,12 @@ def test_profiles_answer_what_they_emulate_measure_and_export():
     assert {n: p[n].attention_kernels for n in p if p[n].attention_kernels} == {"all-fp16": "generic", "ort-webgpu": "ort-webgpu"}
     assert [n for n in p if p[n].graph_activations] == ["ort-webgpu"]
     webgpu = p["ort-webgpu"]
-    assert (webgpu.linear_split("linear"), webgpu.linear_split("head"), webgpu.linear_split("conv1d")) == (16, 16, 1)
-    assert all(p[n].linear_split("linear") == 1 for n in p if n != "ort-webgpu")
+    t = webgpu.split_k.terms
+    assert (webgpu.linear_split("linear", 4 * t), webgpu.linear_split("head", 4 * t), webgpu.linear_split("conv1d", 4 * t)) == (4, 4, 1)
+    assert all(p[n].linear_split("linear", 4096) == 1 for n in p if n != "ort-webgpu")
     # the export's rewrites, as data
     assert [n for n in p if p[n].prescales_norms] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
-    assert webgpu.onnx_split_k == (16, 16, 16) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
+    assert webgpu.onnx_split_k == SplitK(terms=t) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
     assert [n for n in p if p[n].splits_head] == ["fp16-accumulate", "all-fp16"]
 
 
@@ -234,7 +237,34 @@ def test_split_matmul16_adds_the_groups_as_the_export_does():
     r = arith16.r16
     assert torch.equal(arith16.split_matmul16(x, w, 1, 4), r(r(part[0] + part[2]) + r(part[1] + part[3])))
     assert torch.equal(arith16.split_matmul16(x, w, 1, 4, halves=False), r(r(part[0] + part[1]) + r(part[2] + part[3])))
-    assert [arith16.split_groups(k, 16) for k in (640, 2048, 100, 7)] == [16, 16, 4, 1]
+    assert [split_groups(k, 16) for k in (640, 2048, 100, 7)] == [16, 16, 4, 1]
+    rule = SplitK(terms=256)  # Gemma 3 270M's K: q/k/v/gate/up and the head 640, o 1024, down 2048, QK^T 256
+    assert [rule.groups_for("linear", k) for k in (640, 1024, 2048, 256)] == [4, 4, 8, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 1 << 16), st.integers(1, 4096), st.sampled_from(KINDS))
+def test_split_k_terms_is_the_fewest_groups_that_bound_each_running_sum(k, terms, kind):
+    """SplitK(terms=T): a power of two dividing K, every group at most T terms where K allows it (else K's odd part,
+    a group that cannot be halved), and no fewer groups would do; the same for every kind of product."""
+    g = SplitK(terms=terms).groups_for(kind, k)
+    assert g >= 1 and g & (g - 1) == 0 and k % g == 0
+    assert k // g <= terms or (k // g) % 2 == 1
+    assert g == 1 or k // (g // 2) > terms
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 1 << 16), st.tuples(*[st.integers(1, 128)] * 3))
+def test_split_k_groups_are_each_kinds_count(k, groups):
+    rule = SplitK(groups=groups)
+    assert [rule.groups_for(kind, k) for kind in KINDS] == [split_groups(k, g) for g in groups]
+    assert SplitK.parse(rule.label) == rule and SplitK.parse(SplitK(terms=groups[0]).label) == SplitK(terms=groups[0])
+
+
+@pytest.mark.parametrize("text", ["", "4", "4,4", "1,2,3,4", "terms:", "terms:0", "terms:-3", "0,4,4", "a,b,c", "terms:2.5"])
+def test_split_k_parse_refuses_in_one_line(text):
+    with pytest.raises(HalfsafeError, match=r"^[^\n]*(give none, terms:N|at least 1)[^\n]*$"):
+        SplitK.parse(text)
 
 
 def test_ort_webgpu_emulates_the_split_k_export():
@@ -245,8 +275,7 @@ def test_ort_webgpu_emulates_the_split_k_export():
     model = make_tiny("gemma3_text")
     half = cast_copy(model, torch.float16).eval()
     ids = tiny_ids(model)
-    profile = get_profile("ort-webgpu")
-    assert profile.split_k == (16, 16, 16)
+    profile = replace(get_profile("ort-webgpu"), split_k=(16, 16, 16))
     with torch.no_grad():
         with emulate_runtime(half, profile):
             split = half(input_ids=ids).logits

@@ -3,7 +3,9 @@
 (tests/test_export_onnx_webgpu.py, tests/test_ort_webgpu_ops.py); here against each other, one product at a time.
 
 For every kind of product (a linear's weight, the head that makes the logits, attention's QK^T) and K's that split
-into 16, 8 or 4 groups, or fewer than asked, one MatMul is exported as a graph, split, and:
+into 16, 8 or 4 groups, or fewer than asked, by a count per kind or by a bound on the terms per running sum
+(SplitK(terms=T): K's of 64, 48, 96, 40 in groups of at most 16, 8 or 4 terms, and ones short enough to stay whole),
+one MatMul is exported as a graph, split, and:
 - its structure read back from the file: the number of groups, K / G per group, is the emulation's;
 - run by onnx's reference evaluator (numpy: every float16 op rounded once, a MatMul's sum taken in float32; ONNX
   Runtime's CPU provider would keep the float16 graph in float32 between its ops), on small integers, each group of K's rows of B scaled by a
@@ -34,29 +36,40 @@ from halfsafe.core import arith16  # noqa: E402
 from halfsafe.export.onnx_split_k import PREFIX, split_matmuls_  # noqa: E402
 from halfsafe.runtime import emulate  # noqa: E402
 from halfsafe.runtime.kernels import ort_webgpu  # noqa: E402
-from halfsafe.runtime.profiles import get_profile  # noqa: E402
+from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
 
 M, N, HEADS = 3, 24, 2
-# name: (kind, K, groups asked): K's that split whole, in fewer groups than asked, and not past K / G = 1
+# name: (kind, K, groups asked or "tT", at most T terms per running sum): K's that split whole, in fewer groups than
+# asked, and not past K / G = 1; by terms, in groups of T, of fewer (48 / 8 = 6), of K's odd part (40 / 8 = 5), or whole
 CASES = {
     "linear-64-16": ("linear", 64, 16), "linear-48-16": ("linear", 48, 16), "linear-40-16": ("linear", 40, 16),
     "linear-32-2": ("linear", 32, 2), "head-64-16": ("head", 64, 16), "head-96-8": ("head", 96, 8),
     "head-20-16": ("head", 20, 16), "attention-32-4": ("attention", 32, 4), "attention-16-16": ("attention", 16, 16),
     "attention-24-16": ("attention", 24, 16), "linear-15-16": ("linear", 15, 16),
+    "linear-64-t16": ("linear", 64, "t16"), "linear-48-t8": ("linear", 48, "t8"), "linear-40-t4": ("linear", 40, "t4"),
+    "linear-32-t32": ("linear", 32, "t32"), "head-96-t16": ("head", 96, "t16"), "head-20-t64": ("head", 20, "t64"),
+    "attention-32-t8": ("attention", 32, "t8"), "attention-16-t16": ("attention", 16, "t16"),
 }
 
 
-def _profile(kind: str, asked: int):
+def _profile(kind: str, asked: int | str):
+    if isinstance(asked, str):
+        return replace(get_profile("ort-webgpu"), split_k=SplitK(terms=int(asked[1:])))
     return replace(get_profile("ort-webgpu"), split_k={"linear": (asked, 1, 1), "head": (1, asked, 1),
                                                        "attention": (1, 1, asked)}[kind])
 
 
-def _emulated_groups(kind: str, k: int, asked: int) -> int:
+def _emulated_groups(kind: str, k: int, asked: int | str) -> int:
     """How many groups the emulation cuts this product's K into, from the profile as the emulation reads it."""
     profile = _profile(kind, asked)
     if kind == "attention":
-        return arith16.split_groups(k, ort_webgpu.attention(profile)[1].keywords.get("groups", 1))
-    return arith16.split_groups(k, profile.linear_split(kind))
+        qk = ort_webgpu.attention(profile)[1]
+        return qk.keywords["split"].groups_for("attention", k) if hasattr(qk, "keywords") else 1
+    return profile.linear_split(kind, k)
+
+
+def _seed(k: int, asked: int | str) -> int:
+    return k * 31 + (asked if isinstance(asked, int) else 1000 + int(asked[1:]))
 
 
 def _split_graph(kind: str, k: int, asked: int, w: np.ndarray | None) -> onnx.ModelProto:
@@ -76,7 +89,7 @@ def _split_graph(kind: str, k: int, asked: int, w: np.ndarray | None) -> onnx.Mo
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9))
     split = _profile(kind, asked).onnx_split_k
     if split is not None:
-        split_matmuls_(model, *split)
+        split_matmuls_(model, split)
     return ir.serde.serialize_model(model)
 
 
@@ -109,8 +122,7 @@ def _emulated(kind: str, k: int, asked: int, a: np.ndarray, b: np.ndarray) -> np
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     profile = _profile(kind, asked)
     if kind == "attention":
-        qk = ort_webgpu.attention(profile)[1]
-        groups = qk.keywords.get("groups", 1) if hasattr(qk, "keywords") else 1
+        groups = _emulated_groups(kind, k, asked)
         return ort_webgpu._qk16(ta.float(), tb.float().transpose(-1, -2), groups).half().numpy()
     layer = torch.nn.Linear(k, N, bias=False, dtype=torch.float16)
     with torch.no_grad():
@@ -162,13 +174,13 @@ def test_the_split_graph_is_the_structure_the_emulation_assumes(name):
     g = _emulated_groups(kind, k, asked)
     feeds = lambda a, b: {"A": a, **({"B": b} if kind == "attention" else {})}  # noqa: E731
     # every group's sum exact in float16: the graph computes the emulation's own output, bit for bit
-    a, b = _grouped(kind, k, g, k * 31 + asked, 3, (-7, 8))
+    a, b = _grouped(kind, k, g, _seed(k, asked), 3, (-7, 8))
     proto = _split_graph(kind, k, asked, None if kind == "attention" else b)
     assert _graph_groups(proto, kind, k) == g, "the graph cuts K into other groups than the emulation"
     got, want = _run_cpu(proto, feeds(a, b)), _emulated(kind, k, asked, a, b)
     assert got.dtype == np.float16 and np.array_equal(got, want), f"{int((got != want).sum())} of {got.size} differ"
     # exact in float32 only: each group's sum rounds once; the emulation's group count and order, and no other
-    a, b = _grouped(kind, k, g, k * 37 + asked, 63, (-10, -3))
+    a, b = _grouped(kind, k, g, _seed(k, asked) + 6 * k, 63, (-10, -3))
     proto = _split_graph(kind, k, asked, None if kind == "attention" else b)
     got = _run_cpu(proto, feeds(a, b))
     halves = kind != "head"  # the batched MatMul's Split adds halves; the head's slices, neighbours

@@ -108,6 +108,27 @@ def _write_json(path: str | None, data: dict) -> None:
         _say(f"wrote {path}")
 
 
+def _split_k(text: str):
+    """An argparse type: --split-k's rule (runtime.profiles.SplitK.parse), refused at parse time."""
+    from .runtime.profiles import SplitK
+
+    try:
+        return SplitK.parse(text)
+    except HalfsafeError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--split-k {text!r:.60}: ")) from None
+
+
+def _split_k_option(p, what: str) -> None:
+    from .runtime.profiles import PROFILES
+
+    p.add_argument("--split-k", type=_split_k, metavar="RULE", help=(
+        f"{what}how the ONNX graph's matrix products are cut along K, for float16 runtimes whose MatMul keeps one "
+        "float16 running sum (ONNX Runtime's WebGPU provider: transformers.js with device 'webgpu', dtype 'fp16'): "
+        "none (the plain graph), terms:N (each product's K in the fewest groups of at most N terms) or L,H,A (groups "
+        f"for the linear layers, the head and attention's QK^T); default: the ort-webgpu profile's, "
+        f"{PROFILES['ort-webgpu'].split_k.label} (a provider that sums in float32 computes the split and the plain graph alike)"))
+
+
 def _runtime_option(p, what: str) -> None:
     from .runtime.profiles import DEFAULT, PROFILES
 
@@ -164,7 +185,7 @@ def convert_request(args) -> rq.ConvertRequest:
         rq.PlanOptions.checked(args.headroom_bits, args.max_context, args.allow_unfixable, runtime=args.runtime,
                                fp16_arith=args.fp16_arith, calib_arith=args.calib_arith),
         long_sample=args.long_sample, overwrite=args.overwrite, engine=_engine(args), max_shard_size=args.max_shard_size,
-        to=args.to,
+        to=args.to, split_k=args.split_k,
     )
 
 
@@ -184,7 +205,7 @@ def cmd_convert(args) -> int:
 
         def finish(folder: Path) -> None:  # into the checkpoint's temporary folder, before it becomes OUT
             with phase("export"):  # recorded with the conversion's phases, after the write
-                exported.append(add_onnx(folder, runtime=request.export_runtime, final=request.out))
+                exported.append(add_onnx(folder, runtime=request.export_runtime, final=request.out, split_k=request.split_k))
     elif request.to == "gguf":
         from .export.gguf import add_gguf, check_gguf_target
         from .progress import phase
@@ -321,7 +342,7 @@ def cmd_verify(args) -> int:
 
 def export_request(args) -> rq.ExportRequest:
     return rq.ExportRequest(args.converted, args.out, args.format, overwrite=args.overwrite, scan=args.scan,
-                            runtime=rq.runtime_profile(args.runtime), llama_cpp=args.llama_cpp)
+                            runtime=rq.runtime_profile(args.runtime), llama_cpp=args.llama_cpp, split_k=args.split_k)
 
 
 def cmd_export(args) -> int:
@@ -378,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="write a PNG of per-layer peaks before and after")
     p.add_argument("--to", choices=rq.TARGETS, help="also write an fp16 ONNX model into OUT/onnx/ (as `halfsafe export onnx`), "
                    "or an F16 GGUF, OUT/model-f16.gguf (as `halfsafe export gguf`)")
+    _split_k_option(p, "--to onnx: ")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON: halfsafe.json's content and the time each phase took")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, type=_shard_size,
                    help=f"largest output weight file, e.g. 2GB (default {DEFAULT_MAX_SHARD_SIZE}, as the hub expects; bigger "
@@ -403,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that halfsafe wrote (its halfsafe.json is a record, and it holds only the files that lists, each with the bytes it lists) or an empty one; for gguf, a GGUF file")
     p.add_argument("--json", metavar="PATH", help="write what was exported (I/O names, Clip nodes, weight dtypes, sizes) as JSON")
     _runtime_option(p, "compute the norms (prescaled inside each norm) to run")
+    _split_k_option(p, "onnx: ")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("apply", help="re-apply a saved plan to another checkpoint of the same architecture (e.g. a fine-tune)")

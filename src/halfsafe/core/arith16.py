@@ -138,16 +138,9 @@ def matmul16(x: torch.Tensor, w: torch.Tensor, chunk: int, rows: int = 4096) -> 
     return out.reshape(*lead, w.shape[0])
 
 
-def split_groups(k: int, asked: int) -> int:
-    """How many groups a split-K graph rewrite cuts a K into: the largest power of two <= `asked` dividing k."""
-    g = 1
-    while g * 2 <= asked and k % (g * 2) == 0:
-        g *= 2
-    return g
-
-
 def split_matmul16(x: torch.Tensor, w: torch.Tensor, chunk: int, groups: int, halves: bool = True) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T with K cut into `groups` consecutive runs, each product a matmul16, the partials then
+    """x [..., K] @ w [N, K]^T with K cut into `groups` consecutive runs (a power of two dividing K: how many, the
+    profile's SplitK decides), each product a matmul16, the partials then
     added pairwise in float16, as halfsafe.export.onnx_split_k writes the graph: `halves` (partial i + partial
     i + G/2, then again: a batched MatMul's Split and Add) or neighbours (0 + 1, 2 + 3, ...: the sliced head)."""
     k = x.shape[-1]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import HalfsafeError
 from ..requests import ExportRequest
-from ..runtime.profiles import RuntimeProfile, get_profile
+from ..runtime.profiles import RuntimeProfile, SplitK, export_profile, get_profile
 from .contract import Exporter
 from .exporters import exporter_for_folder
 from .onnx_common import EXPORTER, ONNX_FILE, inspect_file, require_onnx, save_program, versions
@@ -43,7 +43,7 @@ class OnnxExportReport:
     runtime: str = "torch"
     norm_prescales: dict[str, dict] = field(default_factory=dict)  # --runtime P: per norm, its peak and c = 2^-shift
     head_groups: int = 1  # --runtime P with float16 accumulation: the head's K in this many products (onnx_accumulate)
-    split_k: dict = field(default_factory=dict)  # --runtime P with split_k: groups asked and products split per kind
+    split_k: dict = field(default_factory=dict)  # the split-K rule, products split per kind and their groups by K
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,15 +90,17 @@ def scan_summary(folder: Path, seq_len: int = 128, max_samples: int = 2) -> str:
 
 
 def export(source: str | Path, out: str | Path | None = None, *, runtime: RuntimeProfile | str | None = None,
-           overwrite: bool = False, scan: bool = False, final: str | Path | None = None) -> OnnxExportReport:
+           split_k: SplitK | None = None, overwrite: bool = False, scan: bool = False,
+           final: str | Path | None = None) -> OnnxExportReport:
     """The ONNX export of the checkpoint in `source`: into a fresh folder `out` (with `source`'s side files, written
     whole or not at all; `overwrite`: an OUT halfsafe wrote may be replaced), or, `out` None, into `source` itself,
     beside its weights (`final`: where that folder will be once complete, which the report's path and the card name).
-    `runtime`: a profile (or its name) whose float16 arithmetic the graph is rewritten for (onnx_rewrites); `scan`:
+    `runtime`: a profile (or its name) whose float16 arithmetic the graph is rewritten for (onnx_rewrites), its
+    products split as `split_k` says (None: profiles.export_profile's default; SplitK(): the plain graph); `scan`:
     an unconverted source's warning says what `halfsafe scan` finds."""
     from ..io.checkpoint import check_out_dir
 
-    profile = get_profile(runtime)
+    profile = export_profile(get_profile(runtime), split_k)
     folder = check_source(source)
     if out is not None:
         out = check_out_dir(out, overwrite, inputs=[folder])
@@ -165,18 +167,19 @@ def _write_graphs(exporter: Exporter, model, profile: RuntimeProfile, folder: Pa
 
 def run_export(request: ExportRequest) -> OnnxExportReport:
     """`halfsafe export onnx`: the request's checkpoint as an fp16 ONNX model folder, for its runtime profile."""
-    return export(request.converted, request.out, runtime=request.runtime, overwrite=request.overwrite, scan=request.scan)
+    return export(request.converted, request.out, runtime=request.runtime, split_k=request.split_k,
+                  overwrite=request.overwrite, scan=request.scan)
 
 
 def export_onnx(source: str | Path, out: str | Path, overwrite: bool = False, scan: bool = False,
-                runtime: RuntimeProfile | str | None = None) -> OnnxExportReport:
+                runtime: RuntimeProfile | str | None = None, split_k: SplitK | None = None) -> OnnxExportReport:
     """`halfsafe export onnx SOURCE OUT`: the checkpoint `halfsafe convert` wrote, as an fp16 ONNX model folder."""
-    return export(source, out, runtime=runtime, overwrite=overwrite, scan=scan)
+    return export(source, out, runtime=runtime, split_k=split_k, overwrite=overwrite, scan=scan)
 
 
 def add_onnx(folder: str | Path, runtime: RuntimeProfile | str | None = None,
-             final: str | Path | None = None) -> OnnxExportReport:
+             final: str | Path | None = None, split_k: SplitK | None = None) -> OnnxExportReport:
     """`halfsafe convert --to onnx`: the ONNX files added to a converted checkpoint folder (the save's temporary
     folder, at `final` once complete), beside its weights: a model repository that serves both transformers and
     transformers.js."""
-    return export(folder, runtime=runtime, final=final)
+    return export(folder, runtime=runtime, split_k=split_k, final=final)

@@ -32,10 +32,10 @@ def split_graph(profile: RuntimeProfile | None, program, counts: dict | None = N
         return
     from .onnx_split_k import split_matmuls_
 
-    linear, head, attention = split
-    done = split_matmuls_(program, linear=linear, head=head, attention=attention)
+    done = split_matmuls_(program, split)
     if counts is not None:
-        counts.setdefault("groups", done.groups)
+        counts.setdefault("rule", done.rule)
         for kind, n in done.split.items():
             counts.setdefault("split", {}).setdefault(kind, 0)
             counts["split"][kind] += n
+            counts.setdefault("groups", {}).setdefault(kind, {}).update(done.groups[kind])

@@ -15,9 +15,10 @@ Reshape once at load. One MatMul per product keeps the node count small (4 + 2 l
 runtime run the groups as one batched dispatch. The head is split into G MatMuls of slices instead (its output is
 the vocabulary wide: G batched partials would cost G times the logits' memory), of the tied embedding's Transpose.
 
-Kinds of product, each with its own G: `linear` (a weight as B), `head` (the product that makes the logits) and
-`attention` (both inputs computed, K static: QK^T over the head dimension). G is a power of two that divides K;
-a product whose K does not allow G >= 2 is left as it is.
+Kinds of product: `linear` (a weight as B), `head` (the product that makes the logits) and `attention` (both inputs
+computed, K static: QK^T over the head dimension). Each product's G is a power of two dividing its K, chosen by a
+SplitK (halfsafe.runtime.profiles, the rule the emulation follows too) from its kind and K: at most T terms per
+running sum (`terms`), or a count per kind; a product whose G is 1 is left as it is.
 """
 
 from __future__ import annotations
@@ -26,22 +27,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.arith16 import split_groups
+from ..runtime.profiles import SplitK, split_groups
 
 PREFIX = "halfsafe_splitk"
-KINDS = ("linear", "head", "attention")
 
 
 @dataclass
 class SplitReport:
-    groups: dict[str, int] = field(default_factory=dict)  # kind -> G asked
+    rule: dict = field(default_factory=dict)  # the SplitK's to_dict
+    groups: dict[str, dict[int, int]] = field(default_factory=dict)  # kind -> {K: G} of the products rewritten
     split: dict[str, int] = field(default_factory=dict)  # kind -> products rewritten
 
     def to_dict(self) -> dict:
-        return {"groups": dict(self.groups), "split": dict(self.split)}
+        return {"rule": dict(self.rule), "groups": {k: dict(v) for k, v in self.groups.items()}, "split": dict(self.split)}
 
 
-# the largest power of two <= asked dividing k (1: no split): one rule for the graph and its emulation
+# the largest power of two <= asked dividing k (1: no split), SplitK's rule for explicit counts
 groups_for = split_groups
 
 
@@ -138,25 +139,26 @@ def _sliced_head(bld, a, b, k: int, g: int):
     return stack[0][1]
 
 
-def _split_one(graph, node, groups: int, kind: str) -> bool:
+def _split_one(graph, node, split: SplitK, kind: str) -> int:
+    """The product `node` rewritten with its K in the groups `split` gives it; returns its K (0: left as it is)."""
     import onnx_ir as ir
 
     a, b = node.inputs
     rank = len(a.shape) if a.shape is not None else 0
     k = _static_dim(a.shape, -1)
     if rank < 2 or k is None:
-        return False
-    g = groups_for(k, groups)
+        return 0
+    g = split.groups_for(kind, k)
     if g < 2:
-        return False
+        return 0
     bld = _Builder(ir, node.name or "matmul")
     out = node.outputs[0]
     if kind == "head":
         if _static_dim(b.shape, 0) != k:
-            return False
+            return 0
         result = ir.Value(name=bld.name("sum"), shape=out.shape, type=out.type)
         bld.op("Identity", [_sliced_head(bld, a, b, k, g)], out_values=[result])
-        return _replace(graph, node, bld, result)
+        return _replace(graph, node, bld, result) and k
     # A [.., M, K] -> [G, .., M, K/G]: K's consecutive runs become the leading batch axis
     a_g = bld.op("Reshape", [a, bld.const([0] * (rank - 1) + [g, k // g])])
     a_g = bld.op("Transpose", [a_g], {"perm": [rank - 1, *range(rank - 1), rank]})
@@ -166,7 +168,7 @@ def _split_one(graph, node, groups: int, kind: str) -> bool:
     else:  # a constant [K, N] -> [G, 1.., K/G, N], broadcast over A's batch axes
         n = _static_dim(b.shape, -1)
         if n is None or _static_dim(b.shape, 0) != k:
-            return False
+            return 0
         b_g = bld.op("Reshape", [b, bld.const([g] + [1] * (rank - 2) + [k // g, n])])
     parts = bld.op("MatMul", [a_g, b_g])
     while g > 1:  # pairwise: each level halves the groups with one float16 add per element
@@ -175,7 +177,7 @@ def _split_one(graph, node, groups: int, kind: str) -> bool:
         parts = bld.op("Add", [lo, hi])
     result = ir.Value(name=bld.name("sum"), shape=out.shape, type=out.type)
     bld.op("Squeeze", [parts, bld.const([0])], out_values=[result])
-    return _replace(graph, node, bld, result)
+    return _replace(graph, node, bld, result) and k
 
 
 def _replace(graph, node, bld, result) -> bool:
@@ -189,14 +191,20 @@ def _replace(graph, node, bld, result) -> bool:
     return True
 
 
-def split_matmuls_(model, linear: int = 1, head: int = 1, attention: int = 1) -> SplitReport:
-    """Rewrite `model`'s (an onnx_ir.Model) matrix products in place: each kind's K in that many groups (1: as it is)."""
+def split_matmuls_(model, split: SplitK | None = None, *, linear: int = 1, head: int = 1,
+                   attention: int = 1) -> SplitReport:
+    """Rewrite `model`'s (an onnx_ir.Model) matrix products in place, each product's K in the groups `split` gives
+    it (None: SplitK(groups=(linear, head, attention)), a count per kind; 1: as it is)."""
+    split = split if split is not None else SplitK(groups=(linear, head, attention))
     graph = model.graph
-    asked = {"linear": linear, "head": head, "attention": attention}
-    report = SplitReport(groups={k: v for k, v in asked.items() if v > 1}, split={k: 0 for k in KINDS if asked[k] > 1})
+    report = SplitReport(rule=split.to_dict())
     top = head_matmul(graph)
     for node in list(graph):
         kind = kind_of(node, top)
-        if kind is not None and asked[kind] > 1 and _split_one(graph, node, asked[kind], kind):
-            report.split[kind] += 1
+        if kind is None:
+            continue
+        k = _split_one(graph, node, split, kind)
+        if k:
+            report.split[kind] = report.split.get(kind, 0) + 1
+            report.groups.setdefault(kind, {})[k] = split.groups_for(kind, k)
     return report

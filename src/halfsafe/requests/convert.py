@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ..errors import HalfsafeError
-from ..runtime.profiles import RuntimeProfile
+from ..runtime.profiles import RuntimeProfile, SplitK
 from .common import (
     DEFAULT_CALIB_ARITH,
     DEFAULT_MAX_SHARD_SIZE,
@@ -75,6 +75,7 @@ class ConvertRequest:
     engine: EngineOptions = field(default_factory=EngineOptions)
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # "5GB", "500MiB" or bytes (io.checkpoint.shard_size)
     to: str | None = None  # "onnx": also an fp16 ONNX model inside OUT
+    split_k: SplitK | None = None  # --to onnx: how the graph's products are split (None: profiles.export_profile's)
 
     def __post_init__(self) -> None:
         _common(self, ("source", "out"))
@@ -86,6 +87,10 @@ class ConvertRequest:
             raise HalfsafeError(f"--max-shard-size {self.max_shard_size!r:.60} is not a size: give e.g. 5GB, 500MB or a number of bytes")
         if self.to is not None and not (isinstance(self.to, str) and self.to in TARGETS):
             raise HalfsafeError(f"--to {self.to!r:.60}: choose one of {', '.join(TARGETS)}")
+        if self.split_k is not None:
+            instance("split_k", self.split_k, SplitK, ": pass halfsafe.runtime.profiles.SplitK.parse(text)")
+            if self.to != "onnx":
+                raise HalfsafeError("--split-k is for --to onnx: it says how the ONNX graph's matrix products are split")
 
     @property
     def export_runtime(self) -> RuntimeProfile:

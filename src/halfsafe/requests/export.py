@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import HalfsafeError
-from ..runtime.profiles import RuntimeProfile
+from ..runtime.profiles import RuntimeProfile, SplitK
 from .common import TORCH, instance, path, switch
 
 FORMATS = ("onnx", "gguf")
@@ -21,6 +21,7 @@ class ExportRequest:
     scan: bool = False  # a folder halfsafe did not convert: scan it briefly and say what it overflows
     runtime: RuntimeProfile = TORCH  # the graph's norms prescaled, its products split, as the profile needs
     llama_cpp: str | os.PathLike | None = None  # gguf: the llama.cpp whose converter runs (None: scripts/setup-llama-cpp's)
+    split_k: SplitK | None = None  # onnx: how the graph's products are split (None: profiles.export_profile's default)
 
     def __post_init__(self) -> None:
         path("converted", self.converted)
@@ -35,3 +36,7 @@ class ExportRequest:
             raise HalfsafeError(f"{'--scan' if self.scan else '--runtime'} is for export onnx: export gguf takes a converted folder as it is")
         if self.format != "gguf" and self.llama_cpp is not None:
             raise HalfsafeError("--llama-cpp is for export gguf")
+        if self.split_k is not None:
+            instance("split_k", self.split_k, SplitK, ": pass halfsafe.runtime.profiles.SplitK.parse(text)")
+            if self.format == "gguf":
+                raise HalfsafeError("--split-k is for export onnx: export gguf writes the checkpoint's tensors as they are")

@@ -7,7 +7,7 @@ Each module gets the forward the profile gives it:
   that kernel module's (kernels.ort_webgpu: ReduceMean's order, the fused LayerNormalization);
 - nn.Linear and GPT-2's Conv1D, where the profile accumulates in float16: arith16.matmul16 (float16 accumulation
   over runs of `matmul_chunk`), bias in fp16; under a profile's `split_k`, an nn.Linear's K (the head's too) cut
-  into groups as the export cuts it;
+  into the groups the export cuts it into (SplitK.groups_for: by kind and K);
 - attention: the kernel module's attention function, registered with eager masks;
 - activation modules: the kernel module's, where it has its own (kernels.ort_webgpu).
 
@@ -37,10 +37,11 @@ def is_rms_norm(m: nn.Module) -> bool:
     return not isinstance(m, nn.LayerNorm) and (name.endswith("RMSNorm") or name.endswith("T5LayerNorm"))
 
 
-def _linear_forward(profile: RuntimeProfile, split: int = 1, halves: bool = True):
-    """`split` > 1: K cut into groups as `export onnx --runtime P` writes the product (arith16.split_matmul16)."""
+def _linear_forward(profile: RuntimeProfile, kind: str = "linear", halves: bool = True):
+    """K cut into the groups the profile's split-K gives this `kind` of product and its K, as `export onnx --runtime
+    P` writes it (arith16.split_matmul16)."""
     def product(x, w):
-        groups = arith16.split_groups(w.shape[1], split)
+        groups = profile.linear_split(kind, w.shape[1])
         if groups > 1:
             return arith16.split_matmul16(x, w, profile.matmul_chunk, groups, halves)
         return arith16.matmul16(x, w, profile.matmul_chunk)
@@ -124,7 +125,7 @@ def _patched_forward(m: nn.Module, profile: RuntimeProfile, head):
         # the export splits the K of MatMuls with a weight (not GPT-2's Conv1D, a Gemm); the head's partials
         # are added as neighbours, the others' as halves (halfsafe.export.onnx_split_k)
         kind = "head" if m is head else "linear" if isinstance(m, nn.Linear) else "conv1d"
-        return _linear_forward(profile, profile.linear_split(kind), halves=m is not head)
+        return _linear_forward(profile, kind, halves=m is not head)
     if profile.graph_activations and is_activation(m):
         return kernels_for(profile.kernels).activation_forward(type(m).forward.__get__(m))
     return None

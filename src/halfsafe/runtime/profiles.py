@@ -40,15 +40,18 @@ breaks under it. The kernels each profile follows, read at the commits named:
   a halving tree. The exported graphs hold what remains: attention as torch.onnx decomposes SDPA (q and k each
   scaled by sqrt(scale) in float16, MatMul, Add mask, Softmax, MatMul), and what ONNX Runtime's optimizer fuses
   them into (SiLU's Sigmoid and Mul: QuickGelu; gelu_new: FastGelu; Add and LayerNormalization: SkipLayerNorm,
-  the same arithmetic). Measured: the default export of Gemma 3 270M on the runtime and this profile's emulation
+  the same arithmetic). Measured: the plain export of Gemma 3 270M (`--split-k none`) on the runtime and this profile's emulation
   give the same logits bit for bit (48 tokens, all 262144 per token), as do tiny Gemma 3, Llama and GPT-2 exports.
   `split_k` is emulated too (arith16.split_matmul16; QK^T in kernels.ort_webgpu): the profile computes what
-  `export onnx --runtime ort-webgpu` writes, measured bit for bit on Gemma 3 270M with linears and head split in 16
-  (KL 1.41e-4 against 1.93e-3 unsplit, 48 tokens) and on tiny Gemma 3 with QK^T split too (tests); the plain export
-  is `dataclasses.replace(profile, split_k=(1, 1, 1))`. The default (16, 16, 16), every product's K in 16 groups,
-  was chosen from bench/webgpu.py's curve on Gemma 3 270M under the real provider: the one point measured at least
-  10x below bf16's KL (8.2e-5 against 9.3e-4), at 1.6x the plain export's time on lavapipe; linears and head alone
-  in 16 (the earlier default) gave 1.75e-4 at 1.9x, in 4 with QK^T in 4 3.3e-4 at 1.05x.
+  `export onnx` writes for the same SplitK, measured bit for bit on Gemma 3 270M with linears and head split in 16
+  (KL 1.41e-4 against 1.93e-3 unsplit, 48 tokens) and on tiny models under group counts and bounds on the terms
+  (tests); the plain export is `dataclasses.replace(profile, split_k=SplitK())`. The rule, SplitK(terms=64): each
+  product's K in the fewest power-of-two groups of at most 64 terms per float16 running sum (Gemma 3 270M: q, k, v,
+  gate, up and the head 640 in 16 groups of 40, o 1024 in 16, down 2048 in 32, QK^T 256 in 4), chosen from
+  bench/webgpu.py's curve on Gemma 3 270M under the real provider (KL to fp32 over 48 tokens, bf16's 9.25e-4, the
+  plain graph's 2.35e-3): at most 256 terms 3.34e-4, 128 1.36e-4, 64 8.26e-5, 32 6.54e-5; 64 is the longest bound
+  measured at least 10x below bf16's. It is also what `export onnx` writes by default (export_profile): a provider
+  that sums in float32 computes the split graph as the plain one, up to float16 roundings of the partials.
 """
 
 from __future__ import annotations
@@ -62,6 +65,75 @@ GENERIC = "generic"  # kernels: the float16 arithmetic of runtime.emulate's own 
 FP16_STATS, GRAPH_KERNELS = "fp16-stats", "graph"  # RuntimeProfile.norm_arith
 
 
+KINDS = ("linear", "head", "attention")  # the products split-K cuts: a weight as B, the logits', QK^T
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """How split-K (halfsafe.export.onnx_split_k) cuts each matrix product's K, one rule for the graph and its
+    emulation: `terms`, the fewest groups (a power of two dividing K) that keep every float16 running sum at most
+    that many terms, so a product whose K is that short stays whole; or, `terms` None, `groups`, a count per kind
+    (linear, head, attention), each product's the largest power of two at most that which divides its K."""
+
+    terms: int | None = None
+    groups: tuple[int, int, int] = (1, 1, 1)
+
+    def __post_init__(self) -> None:
+        if self.terms is not None and (isinstance(self.terms, bool) or not isinstance(self.terms, int) or self.terms < 1):
+            raise HalfsafeError(f"split-K terms {self.terms!r:.60}: give a whole number of at least 1")
+        if len(self.groups) != 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.groups):
+            raise HalfsafeError(f"split-K groups {self.groups!r:.60}: give three whole numbers of at least 1 "
+                                "(linears, head, attention)")
+
+    def groups_for(self, kind: str, k: int) -> int:
+        """How many groups this product's K is cut into (1: left whole); `kind` one of KINDS."""
+        if self.terms is None:
+            return split_groups(k, self.groups[KINDS.index(kind)])
+        g = 1
+        while k // g > self.terms and k % (2 * g) == 0:
+            g *= 2
+        return g
+
+    @property
+    def splits(self) -> bool:
+        return self.terms is not None or max(self.groups) > 1
+
+    @property
+    def label(self) -> str:
+        """As `--split-k` takes it (SplitK.parse)."""
+        if self.terms is not None:
+            return f"terms:{self.terms}"
+        return ",".join(map(str, self.groups)) if self.splits else "none"
+
+    @classmethod
+    def parse(cls, text: str) -> "SplitK":
+        """`--split-k`: `none`, `terms:N` or `L,H,A` (groups for the linears, the head and QK^T)."""
+        hint = "give none, terms:N (at most N terms per float16 running sum) or L,H,A (groups for linears, head, QK^T)"
+        text = text.strip()
+        if text == "none":
+            return cls()
+        try:
+            if text.startswith("terms:"):
+                return cls(terms=int(text.removeprefix("terms:")))
+            groups = tuple(int(g) for g in text.split(","))
+        except ValueError:
+            raise HalfsafeError(f"--split-k {text!r:.60}: {hint}") from None
+        if len(groups) != 3:
+            raise HalfsafeError(f"--split-k {text!r:.60}: {hint}")
+        return cls(groups=groups)
+
+    def to_dict(self) -> dict:
+        return {"terms": self.terms, "groups": list(self.groups)}
+
+
+def split_groups(k: int, asked: int) -> int:
+    """The largest power of two <= `asked` dividing k (1: no split)."""
+    g = 1
+    while g * 2 <= asked and k % (g * 2) == 0:
+        g *= 2
+    return g
+
+
 @dataclass(frozen=True)
 class RuntimeProfile:
     name: str
@@ -72,10 +144,10 @@ class RuntimeProfile:
     # (1: each product rounded, then added: a plain float16 running sum)
     attention_fp16: bool = False  # QK^T (accumulated as the linears), scale, mask, softmax and PV in float16
     lanes: int = 64  # float16 reductions: this many strided running sums, then a pairwise tree (reduction_ops.cc)
-    # `export onnx --runtime P`: split-K of the graph's products (linears, head, attention QK^T) into this many groups
-    # (halfsafe.export.onnx_split_k), for runtimes whose MatMul keeps one float16 running sum over K; the emulation
-    # splits the linears, the head and QK^T alike
-    split_k: tuple[int, int, int] = (1, 1, 1)
+    # `export onnx --runtime P`: split-K of the graph's products (linears, head, attention QK^T), a SplitK (a tuple
+    # (linear, head, attention) of group counts is taken as SplitK(groups=...)): halfsafe.export.onnx_split_k, for
+    # runtimes whose MatMul keeps one float16 running sum over K; the emulation splits the linears, the head and QK^T alike
+    split_k: "SplitK | tuple[int, int, int]" = (1, 1, 1)
     kernels: str = GENERIC  # "ort-webgpu": softmax, GELU (tanh), norms and attention's scaling as arith16_webgpu
 
     @property
@@ -106,11 +178,14 @@ class RuntimeProfile:
         """Linear layers sum their products in float16 (runs of `matmul_chunk`): emulated, and measured by the scan."""
         return bool(self.matmul_chunk)
 
-    def linear_split(self, kind: str) -> int:
+    def __post_init__(self) -> None:
+        if not isinstance(self.split_k, SplitK):
+            object.__setattr__(self, "split_k", SplitK(groups=tuple(self.split_k)))
+
+    def linear_split(self, kind: str, k: int) -> int:
         """Groups the emulation cuts a product's K into, as the export's split-K writes it: `kind` "linear" (an
         nn.Linear), "head" (the output embedding) or anything else (GPT-2's Conv1D: a Gemm the export leaves whole)."""
-        linear, head, _ = self.split_k
-        return {"linear": linear, "head": head}.get(kind, 1)
+        return self.split_k.groups_for(kind, k) if kind in ("linear", "head") else 1
 
     @property
     def attention_kernels(self) -> str | None:
@@ -130,9 +205,9 @@ class RuntimeProfile:
         return self.norm_stats_fp16
 
     @property
-    def onnx_split_k(self) -> tuple[int, int, int] | None:
-        """(linear, head, attention QK^T) groups the export splits each product's K into; None: no split-K."""
-        return self.split_k if max(self.split_k) > 1 else None
+    def onnx_split_k(self) -> "SplitK | None":
+        """How the export splits each product's K (linears, head, attention QK^T); None: no split-K."""
+        return self.split_k if self.split_k.splits else None
 
     @property
     def splits_head(self) -> bool:
@@ -151,7 +226,7 @@ class RuntimeProfile:
     def to_dict(self) -> dict:
         return {"name": self.name, "summary": self.summary, "rms_stats_fp16": self.rms_stats_fp16,
                 "layernorm_fp16": self.layernorm_fp16, "matmul_chunk": self.matmul_chunk,
-                "attention_fp16": self.attention_fp16, "lanes": self.lanes, "split_k": list(self.split_k),
+                "attention_fp16": self.attention_fp16, "lanes": self.lanes, "split_k": self.split_k.to_dict(),
                 "kernels": self.kernels}
 
 
@@ -167,9 +242,20 @@ PROFILES = {p.name: p for p in (
                    rms_stats_fp16=True, layernorm_fp16=True, matmul_chunk=32, attention_fp16=True),
     RuntimeProfile("ort-webgpu", "ONNX Runtime's WebGPU provider (transformers.js device 'webgpu', onnxruntime-node "
                    "1.30, measured on lavapipe): MatMul a float16 running sum of rounded products; attention, softmax, "
-                   "GELU and norms as its shaders compute them. The export splits K (linears, head, QK^T) into 16 groups "
-                   "added pairwise", matmul_chunk=1, attention_fp16=True, kernels="ort-webgpu", split_k=(16, 16, 16)),
+                   "GELU and norms as its shaders compute them. The export splits each product's K (linears, head, "
+                   "QK^T) into groups of at most 64 terms, added pairwise", matmul_chunk=1, attention_fp16=True, kernels="ort-webgpu", split_k=SplitK(terms=64)),
 )}
+
+
+def export_profile(profile: RuntimeProfile, split: SplitK | None = None) -> RuntimeProfile:
+    """The profile an ONNX export writes its graph for: `profile` with its products split as `split` says (None: its
+    own split-K, or, for the torch profile, ort-webgpu's, since the export's float16 runtime is transformers.js on
+    WebGPU, and a provider that sums in float32 computes a split product as it does the whole one)."""
+    if split is not None:
+        return replace(profile, split_k=split)
+    if profile.name == DEFAULT and not profile.split_k.splits:
+        return replace(profile, split_k=PROFILES["ort-webgpu"].split_k)
+    return profile
 
 
 def get_profile(name: "str | RuntimeProfile | None") -> RuntimeProfile:

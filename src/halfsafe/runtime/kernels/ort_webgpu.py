@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ...core import arith16, arith16_webgpu
-from ..profiles import RuntimeProfile
+from ..profiles import RuntimeProfile, SplitK
 from .common import attention_inputs, calls, layer_norm_args
 
 NAME = "ort-webgpu"
@@ -68,10 +68,10 @@ def graph_norm_forward(original, profile: RuntimeProfile):
 
 
 def _qk16(q: torch.Tensor, k: torch.Tensor, groups: int) -> torch.Tensor:
-    """QK^T as the runtime computes it: one float16 running sum over the head dimension, or, split-K (the export's
-    `attention` groups, halfsafe.export.onnx_split_k), a running sum per consecutive run added pairwise by halves."""
-    d = q.shape[-1]
-    g = arith16.split_groups(d, groups)
+    """QK^T as the runtime computes it: one float16 running sum over the head dimension, or, split-K (`groups`, a
+    power of two dividing it, as halfsafe.export.onnx_split_k cuts it), a running sum per consecutive run added
+    pairwise by halves."""
+    d, g = q.shape[-1], groups
     bounds = [d * i // g for i in range(g + 1)]
     parts = [arith16.sequential_matmul16(q[..., a:b], k[..., a:b]) for a, b in zip(bounds, bounds[1:])]
     while len(parts) > 1:
@@ -81,11 +81,12 @@ def _qk16(q: torch.Tensor, k: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def attention_webgpu16(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                       groups: int = 1, **kwargs):
+                       split: SplitK | None = None, **kwargs):
     """Attention as ONNX Runtime WebGPU runs torch.onnx's decomposed SDPA, every step in float16: q and k each times
-    sqrt(scale), QK^T (its head dimension in `groups` as the export splits it) and PV as float16 running sums of
-    rounded products, the mask added, the online softmax (arith16_webgpu). A softcap (eager attention's) is applied
-    as attention16 does, after an unsplit scale."""
+    sqrt(scale), QK^T (its head dimension in the groups `split` gives it, as the export splits it) and PV as float16
+    running sums of rounded products, the mask added, the online softmax (arith16_webgpu). A softcap (eager
+    attention's) is applied as attention16 does, after an unsplit scale."""
+    groups = split.groups_for("attention", query.shape[-1]) if split is not None else 1
     scaling, key, value = attention_inputs(module, key, value, scaling)
     q, k, v = (arith16.r16(t.float()) for t in (query, key, value))
     if softcap is None:
@@ -152,7 +153,8 @@ def activation_forward(original):
 
 def attention(profile: RuntimeProfile):
     """(registered name, function): attention_webgpu16 with QK^T split as the profile's export splits it."""
-    groups = profile.split_k[2]
-    if groups == 1:
+    split = profile.split_k
+    if not split.splits:
         return ATTENTION_NAME, attention_webgpu16
-    return f"{ATTENTION_NAME}_qk{groups}", functools.partial(attention_webgpu16, groups=groups)
+    label = f"t{split.terms}" if split.terms is not None else "qk" + "_".join(map(str, split.groups))
+    return f"{ATTENTION_NAME}_{label}", functools.partial(attention_webgpu16, split=split)
