@@ -41,11 +41,13 @@ def sentencepiece_model(folder: Path, out: Path, text: str, vocab: int = 160) ->
                    timeout=120, env={**os.environ, "PYTHONPATH": str(folder / "pylib")})
 
 
-def run(folder: Path, gguf: Path, prompts: list[list[int]], new_tokens: int) -> list[dict]:
-    """tests/llama_case.py on `gguf` (llama.cpp's CPU backend): per prompt its logits and greedy continuation."""
-    job = {"gguf": str(gguf), "prompts": prompts, "new_tokens": new_tokens}
+def run(folder: Path, gguf: Path, prompts: list[list[int]], new_tokens: int, n_gpu_layers: int = 0,
+        env: dict | None = None, timeout: float = 300) -> list[dict]:
+    """tests/llama_case.py on `gguf` (llama.cpp's CPU backend; in scripts/setup-llama-vulkan's `folder`, with
+    `n_gpu_layers` -1 and tests/vulkanenv.py's env, its Vulkan backend): per prompt its logits and greedy continuation."""
+    job = {"gguf": str(gguf), "prompts": prompts, "new_tokens": new_tokens, "n_gpu_layers": n_gpu_layers}
     done = subprocess.run([str(folder / "venv" / "bin" / "python"), str(CASE), json.dumps(job)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=timeout, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp on {gguf} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
