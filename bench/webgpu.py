@@ -4,11 +4,14 @@ through transformers.js 4 in Node (`pipeline(..., {device: 'webgpu'})`) on a sof
 (scripts/install-webgpu), which runs the same WGSL kernels a GPU would, in real float16.
 
 Exports of the original (bf16 checkpoint, built-in fixture):
-- `unconverted`: `halfsafe export onnx` of the original itself (fp16, no rescale);
-- `default`: `halfsafe convert` at default settings, then `halfsafe export onnx` (today's export);
+- `unconverted`: `halfsafe export onnx --split-k none` of the original itself (fp16, no rescale);
+- `default`: `halfsafe convert` at default settings, then `halfsafe export onnx` (what a user gets: the split-K of
+  the ort-webgpu profile);
+- `plain`: the same with `--split-k none` (the graph as torch.onnx writes it);
 - `all-fp16`: `export onnx --runtime all-fp16` (norms prescaled, the head's K split in 4);
-- `splitk-L{l}-H{h}-A{a}`: the default export with each product's K split in groups (halfsafe.export.onnx_split_k;
+- `splitk-L{l}-H{h}-A{a}`: the plain export with each product's K split in groups (halfsafe.export.onnx_split_k;
   l for the linear layers, h for the head, a for attention's QK^T), rewritten on the saved graph;
+- `splitk-T{t}`: the plain export with each product's K in the fewest groups of at most t terms (SplitK(terms=t));
 - `runtime-ort-webgpu`: `export onnx --runtime ort-webgpu` (the rewrite as the profile wires it).
 Per export, on the first TOKENS tokens of the embedded held-out text: non-finite logits, KL(fp32 transformers ||
 WebGPU) per token (mean), top-1 agreement, GREEDY greedy tokens of generate() (KV cache) equal to fp32's before the
@@ -19,8 +22,11 @@ provider (which computes float16 MatMuls in float32).
 Exports and measured rows are kept in WORK across runs (`--variants` measures only those named; `--redo` measures
 them again). `--rounds N` also times the named exports against each other: loaded in one process, then N rounds of
 one forward each, in turn (clients/js/time_pair.mjs), so that a busy spell on a shared machine slows all alike; the
-ratio to the default is taken round by round. Writes bench/results/webgpu.{md,json}.
-Command: `python bench/webgpu.py [--variants default,splitk-L16-H16-A1 ...] [--rounds 5]`.
+ratio to the default is taken round by round. `--steps N` times what generation runs instead of one forward: a prefill (--prefill tokens, no past) and a decode
+step (one token after a past of --past tokens), the named exports in turn for N rounds in one process
+(clients/js/time_steps.mjs, onnxruntime-node directly), on WebGPU and on ONNX Runtime's CPU provider (2 threads);
+the ratio to `plain` is taken round by round. Writes bench/results/webgpu.{md,json}.
+Command: `python bench/webgpu.py [--variants plain,splitk-T64 ...] [--rounds 5] [--steps 3]`.
 """
 
 from __future__ import annotations
@@ -56,11 +62,12 @@ from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_common import save_program, versions  # noqa: E402
 from halfsafe.export.onnx_split_k import split_matmuls_  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
+from halfsafe.runtime.profiles import SplitK  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SPLITK = re.compile(r"^splitk-L(\d+)-H(\d+)-A(\d+)$")
-DEFAULT_VARIANTS = ("unconverted", "default", "all-fp16", "splitk-L1-H4-A1", "splitk-L4-H4-A4", "splitk-L16-H16-A1",
-                    "splitk-L16-H16-A16", "splitk-L64-H64-A16")
+SPLITK = re.compile(r"^splitk-(?:L(\d+)-H(\d+)-A(\d+)|T(\d+))$")
+DEFAULT_VARIANTS = ("unconverted", "plain", "default", "splitk-T256", "splitk-T128", "splitk-T64", "splitk-T32",
+                    "splitk-L16-H16-A16")
 T0 = time.perf_counter()
 
 
@@ -76,15 +83,16 @@ def export(work: Path, name: str, source: Path, converted: Path) -> Path:
     log(f"export {name}")
     t = time.perf_counter()
     m = SPLITK.match(name)
-    if m:  # the default export, its graph rewritten
+    if m:  # the plain export, its graph rewritten
         import onnx_ir as ir
 
-        plain = export(work, "default", source, converted)
+        plain = export(work, "plain", source, converted)
         tmp = Path(tempfile.mkdtemp(dir=work))
         shutil.copytree(plain, tmp / name)
         (tmp / name / ONNX_FILE).unlink()
         model = ir.load(str(plain / ONNX_FILE))
-        report = split_matmuls_(model, linear=int(m[1]), head=int(m[2]), attention=int(m[3]))
+        rule = SplitK(terms=int(m[4])) if m[4] else SplitK(groups=(int(m[1]), int(m[2]), int(m[3])))
+        report = split_matmuls_(model, rule)
         save_program(model, tmp / name / ONNX_FILE)
         (tmp / f"{name}.export.json").write_text(json.dumps(report.to_dict()))
         (tmp / name).rename(folder)
@@ -92,8 +100,9 @@ def export(work: Path, name: str, source: Path, converted: Path) -> Path:
         tmp.rmdir()
     else:
         src = source if name == "unconverted" else converted
-        runtime = {"default": None, "unconverted": None, "all-fp16": "all-fp16"}.get(name, name.removeprefix("runtime-"))
-        report = export_onnx(src, folder, overwrite=True, runtime=runtime)
+        runtime = {"default": None, "plain": None, "unconverted": None, "all-fp16": "all-fp16"}.get(name, name.removeprefix("runtime-"))
+        split = SplitK() if name in ("plain", "unconverted") else None
+        report = export_onnx(src, folder, overwrite=True, runtime=runtime, split_k=split)
         (work / f"{name}.export.json").write_text(json.dumps(report.to_dict()))
     log(f"  {time.perf_counter() - t:.0f} s")
     return folder
@@ -142,6 +151,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=0,
                     help="also time the named variants against each other: ROUNDS rounds of one forward each, in turn, "
                          "in one process (clients/js/time_pair.mjs), so that other work on the machine slows all alike")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="also time a prefill and a decode step of the named variants, STEPS rounds in turn in one "
+                         "process, on WebGPU and on ONNX Runtime's CPU provider (clients/js/time_steps.mjs)")
+    ap.add_argument("--prefill", type=int, default=128, help="--steps: the prefill's tokens")
+    ap.add_argument("--past", type=int, default=256, help="--steps: the decode step's past tokens")
     args = ap.parse_args()
     if webgpu.adapter_missing():
         sys.exit(webgpu.adapter_missing())
@@ -198,7 +212,13 @@ def main() -> int:
     if args.rounds:
         timing = time_in_turn(folders, ids, args.rounds)
         timed.write_text(json.dumps(timing, indent=1))
-    write_results(rows, ids, args, timing)
+    stepped = work / f"steps-{args.prefill}-{args.past}.json"
+    steps = json.loads(stepped.read_text()) if stepped.is_file() else None
+    if args.steps:
+        long_ids = make_samples([heldout_text()], tok, tok.vocab_size, args.prefill, 1)[0]
+        steps = {device: time_steps(folders, long_ids, args.past, args.steps, device) for device in ("webgpu", "cpu")}
+        stepped.write_text(json.dumps(steps, indent=1))
+    write_results(rows, ids, args, timing, steps)
     return 0
 
 
@@ -216,24 +236,83 @@ def time_in_turn(folders: dict[str, Path], ids: torch.Tensor, rounds: int) -> di
             "forward_s": {name: got["forward_s"][str(f)] for name, f in folders.items()}}
 
 
+def time_steps(folders: dict[str, Path], ids: torch.Tensor, past: int, rounds: int, device: str) -> dict:
+    """Each export's prefill over `ids` and decode step after `past` tokens on `device`, in turn for `rounds` rounds
+    in one process (clients/js/time_steps.mjs). On the CPU provider (a float32 copy of every weight per session: five
+    sessions of Gemma 3 270M outgrow 23 GB) each export is timed in a process of its own beside `plain`, whose times
+    of that process are its baseline (`base_prefill_s`, `base_decode_s`)."""
+    if device == "cpu" and "plain" in folders and len(folders) > 2:
+        out: dict = {}
+        for name in folders:
+            if name == "plain":
+                continue
+            got = time_steps({"plain": folders["plain"], name: folders[name]}, ids, past, rounds, device)
+            for key in ("prefill_s", "decode_s", "warm_s"):
+                out.setdefault(key, {})[name] = got[key][name]
+                if key != "warm_s":
+                    out.setdefault(f"base_{key}", {})[name] = got[key]["plain"]
+            out.update({k: got[k] for k in ("rounds", "prefill", "past", "load")})
+        for key in ("prefill_s", "decode_s"):  # plain's row: its times in every process, each its own baseline
+            out[key] = {"plain": [t for ts in out[f"base_{key}"].values() for t in ts], **out[key]}
+            out[f"base_{key}"]["plain"] = out[key]["plain"]
+        return out
+    import onnx
+
+    log(f"steps on {device}: {', '.join(folders)} in turn, {rounds} rounds, prefill {ids.shape[1]}, past {past}")
+    graph = onnx.load(str(next(iter(folders.values())) / ONNX_FILE), load_external_data=False).graph
+    kv = [v for v in graph.input if v.name.startswith("past_key_values")]
+    dims = [d.dim_value for d in kv[0].type.tensor_type.shape.dim]
+    args = {"models": {name: str(f / ONNX_FILE) for name, f in folders.items()}, "device": device, "ids": ids[0].tolist(),
+            "past": past, "rounds": rounds, "kv": {"heads": dims[1], "dim": dims[3], "layers": [v.name for v in kv]},
+            "threads": 2 if device == "cpu" else None}
+    done = subprocess.run(["node", str(jsclient.CLIENTS / "time_steps.mjs"), json.dumps(args)], cwd=jsclient.CLIENTS,
+                          capture_output=True, text=True, timeout=7200, env=webgpu.runtime_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"time_steps.mjs failed:\n{done.stderr[-4000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    log(f"  {got}")
+    return {"rounds": rounds, "prefill": int(ids.shape[1]), "past": past, "load": os.getloadavg(), **got}
+
+
+def steps_lines(steps: dict) -> list[str]:
+    """Prefill and decode times per provider: median seconds, and the median of each round's ratio to `plain`."""
+    lines = []
+    for device, got in steps.items():
+        lines += ["", f"{'WebGPU (lavapipe)' if device == 'webgpu' else 'ONNX Runtime CPU provider (2 threads)'}: a "
+                  f"prefill of {got['prefill']} tokens and a decode step (one token after {got['past']}), the exports in "
+                  f"turn in one process ({got['rounds']} rounds; median seconds, and the median of each round's time "
+                  "over plain's):", "",
+                  "| variant | decode (s) | vs plain | prefill (s) | vs plain |", "|---|---:|---:|---:|---:|"]
+        for name in got["prefill_s"]:
+            cells = []
+            for step in ("decode_s", "prefill_s"):
+                t, base = got[step][name], got.get(f"base_{step}", {}).get(name, got[step].get("plain"))
+                rel = f"{np.median([a / b for a, b in zip(t, base)]):.2f}x" if base else ""
+                cells += [f"{np.median(t):.3f}", rel]
+            lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines
+
+
 def timing_lines(timing: dict) -> list[str]:
     """The forward times measured in turn: median per export, and the median of each round's ratio to the default."""
     times = timing["forward_s"]
-    base = times.get("default")
+    ref = "plain" if "plain" in times else "default"
+    base = times.get(ref)
     lines = ["", f"Forward time over the same tokens, the exports run in turn in one process ({timing['rounds']} rounds, "
-             "each export once per round; median seconds, and the median of each round's time over the default's):", "",
-             "| variant | forward (s), median | vs default, per round (median) | rounds (s) |", "|---|---:|---:|---|"]
+             f"each export once per round; median seconds, and the median of each round's time over {ref}'s):", "",
+             f"| variant | forward (s), median | vs {ref}, per round (median) | rounds (s) |", "|---|---:|---:|---|"]
     for name, t in times.items():
         rel = f"{np.median([a / b for a, b in zip(t, base)]):.2f}x" if base else ""
         lines.append(f"| {name} | {np.median(t):.2f} | {rel} | {', '.join(f'{x:.1f}' for x in t)} |")
     return lines
 
 
-def write_results(rows: dict, ids: torch.Tensor, args, timing: dict | None = None) -> None:
+def write_results(rows: dict, ids: torch.Tensor, args, timing: dict | None = None, steps: dict | None = None) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     ort = json.loads((ROOT / "clients" / "js" / "node_modules" / "tjs4" / "node_modules" / "onnxruntime-node" /
                       "package.json").read_text())["version"]
-    base = rows.get("default @ webgpu", {}).get("forward_s")
+    ref = "plain" if "plain @ webgpu" in rows else "default"
+    base = rows.get(f"{ref} @ webgpu", {}).get("forward_s")
     lines = [
         f"Gemma 3 270M (the original bf16 checkpoint) through transformers.js 4 in Node {jsclient.node_version()}, "
         f"`device: 'webgpu'`: onnxruntime-node {ort}'s WebGPU provider (Dawn) on Mesa 25.0.7's lavapipe, a CPU Vulkan "
@@ -246,7 +325,7 @@ def write_results(rows: dict, ids: torch.Tensor, args, timing: dict | None = Non
         f"Command: `python bench/webgpu.py --tokens {args.tokens} --greedy {args.greedy} --forwards {args.forwards}` "
         f"at commit {commit}.",
         "",
-        "| variant | runtime | non-finite logits | KL per token | top-1 | greedy = fp32 | forward (s) | vs default |",
+        f"| variant | runtime | non-finite logits | KL per token | top-1 | greedy = fp32 | forward (s) | vs {ref} |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
@@ -254,10 +333,12 @@ def write_results(rows: dict, ids: torch.Tensor, args, timing: dict | None = Non
         lines.append(fmt(name.removesuffix(" @ webgpu"), r, args.greedy) + f" {rel} |")
     if timing:
         lines += timing_lines(timing)
+    if steps:
+        lines += steps_lines(steps)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "webgpu.md").write_text("\n".join(lines) + "\n")
     (RESULTS / "webgpu.json").write_text(json.dumps({"commit": commit, "tokens": int(ids.shape[1]), "rows": rows,
-                                                     "timing": timing},
+                                                     "timing": timing, "steps": steps},
                                                     indent=1) + "\n")
     print("\n".join(lines))
 
