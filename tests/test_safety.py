@@ -206,8 +206,29 @@ def test_any_plan_dict_is_read_correctly_or_refused_in_one_line(plan_dict, data)
     except HalfsafeError:  # refused before any weight changed
         assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
         return
-    moved = {t["param"]: t["exponent"] for t in plan.tensors}
+    rows = plan.tensors
+    if not rows and plan.format == 1:  # a format-1 plan may leave its list out: today's family data makes it
+        from halfsafe.core.groups import expand
+        from halfsafe.core.plan import tensor_table
+        from halfsafe.families import family_for
+
+        rows = tensor_table(expand(family_for("llama"), m), plan.exponents)
+    moved = {t["param"]: t["exponent"] for t in rows}
     assert all(torch.equal(p, before[n] * 2.0 ** moved.get(n, 0)) for n, p in m.named_parameters())
+
+
+def test_a_format1_plan_without_its_tensor_list_moves_what_its_groups_move():
+    """The case the property above met by chance: no `format` (1) and an empty tensor list, the list left out as
+    format 1 allows, so the groups' exponents decide (llama's are all multiplications)."""
+    from halfsafe.convert import apply_plan_
+
+    m = make_tiny("llama")
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    plan = Plan.from_dict({"family": "llama", "model_type": "llama", "exponents": {"residual": -1}, "headroom_bits": 2.0,
+                           "tensors": [], "eps_exponent": -2, "halfsafe_version": "0.1.0"})
+    apply_plan_(m, plan)
+    changed = {n for n, p in m.named_parameters() if not torch.equal(p, before[n])}
+    assert "model.embed_tokens.weight" in changed and all(torch.equal(m.get_parameter(n), before[n] / 2) for n in changed)
 
 
 @settings(PROPERTY, max_examples=5)
