@@ -431,6 +431,7 @@ def fake_onnx(monkeypatch):
     monkeypatch.setattr(onnx, "exporter_for_folder", lambda folder: _FakeExporter)
     monkeypatch.setattr(onnx, "rewrite_for", lambda profile, model, folder: ({}, 0))
     monkeypatch.setattr(onnx, "save_program", save)
+    monkeypatch.setattr(onnx, "split_graph", lambda profile, program, counts=None: None)  # its graph is a name
     monkeypatch.setattr(onnx, "report_for", lambda path, *a, **k: SimpleNamespace(
         path=str(path), norm_prescales={}, file_bytes=0, clip_nodes=0, runtime=None, to_dict=dict))
 

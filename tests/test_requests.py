@@ -19,7 +19,7 @@ from halfsafe import requests as rq
 from halfsafe.convert import apply_checkpoint, convert_checkpoint, make_fp16_safe, plan_fp16_safe
 from halfsafe.errors import HalfsafeError
 from halfsafe.io.checkpoint import shard_size
-from halfsafe.runtime.profiles import PROFILES, RuntimeProfile
+from halfsafe.runtime.profiles import PROFILES, RuntimeProfile, SplitK
 from halfsafe.scan import scan
 from halfsafe.training import finetune
 from halfsafe.verify import compare
@@ -242,6 +242,10 @@ def _of(kind):
     return lambda v: isinstance(v, kind)
 
 
+def _split_k(v):
+    return v is None or isinstance(v, SplitK)
+
+
 def _device(v):
     return isinstance(v, (str, torch.device))
 
@@ -262,12 +266,13 @@ REQUEST_FIELDS = {
         "margin": (_of(rq.MarginOptions), [rq.MarginOptions()]), "allow_unfixable": (_flag, []),
         "candidates": (_count(1), [1, 3]), "fp16": (_of(rq.Fp16Options), [rq.Fp16Options()]),
         "calib_arith": (_choice(rq.CALIB_ARITHS, True), list(rq.CALIB_ARITHS))}),
-    "ConvertRequest": (lambda **f: rq.ConvertRequest(**{"source": "m", "out": "o", **f}), {
+    "ConvertRequest": (lambda **f: rq.ConvertRequest(**{"source": "m", "out": "o", **({"to": "onnx"} if "split_k" in f else {}), **f}), {
         "source": (_path(), ["m"]), "out": (_path(), ["o"]), "text": (_of(rq.TextOptions), [rq.CONVERT_TEXT]),
         "plan": (_of(rq.PlanOptions), [rq.PlanOptions()]), "long_sample": (_count(2, True), [2, 4096]),
         "overwrite": (_flag, []), "progress": (_flag, []), "engine": (_of(rq.EngineOptions), [rq.EngineOptions()]),
         "max_shard_size": (lambda v: type(v) in (int, str), ["5GB", 1000]),  # its size: io.checkpoint.shard_size
-        "to": (_choice(rq.TARGETS, True), list(rq.TARGETS))}),
+        "to": (_choice(rq.TARGETS, True), list(rq.TARGETS)),
+        "split_k": (_split_k, [SplitK(terms=64), SplitK(groups=(4, 4, 1)), None])}),  # tried with --to onnx, the one it is for
     "ApplyRequest": (lambda **f: rq.ApplyRequest(**{"plan_path": "p", "source": "m", "out": "o", **f}), {
         "plan_path": (_path(), ["p"]), "source": (_path(), ["m"]), "out": (_path(), ["o"]),
         "text": (_of(rq.TextOptions), [rq.APPLY_TEXT]), "overwrite": (_flag, []), "progress": (_flag, []),
@@ -275,7 +280,8 @@ REQUEST_FIELDS = {
     "ExportRequest": (lambda **f: rq.ExportRequest(**{"converted": "c", "out": "o", **({"format": "gguf"} if "llama_cpp" in f else {}), **f}), {
         "converted": (_path(), ["c"]), "out": (_path(), ["o"]), "format": (_choice(rq.FORMATS), list(rq.FORMATS)),
         "overwrite": (_flag, []), "scan": (_flag, []), "runtime": (_of(RuntimeProfile), [TORCH_PROFILE]),
-        "llama_cpp": (_path(True), ["llama.cpp", None])}),  # tried with format gguf, the one it is for
+        "llama_cpp": (_path(True), ["llama.cpp", None]),  # tried with format gguf, the one it is for
+        "split_k": (_split_k, [SplitK(terms=64), SplitK(), None])}),
     "FinetuneConfig": (lambda **f: rq.FinetuneRequest("m", "o", config=rq.FinetuneConfig(**f)), {
         "steps": (_count(1), [1, 500]), "threshold": (_number(lambda v: 0 < v <= 65504), [65504, 1e-3, 16384.0]),
         "margin_bits": (BITS, [0, 0.25]), "lr": (_number(lambda v: 0 < v < math.inf), [3e-2, 1]),
