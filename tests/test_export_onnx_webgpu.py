@@ -40,8 +40,9 @@ from halfsafe.core.forward import logits  # noqa: E402
 from halfsafe.core.metrics import mean_kl  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_runners import OnnxDecoder  # noqa: E402
-from halfsafe.export.onnx_split_k import PREFIX, groups_for, split_matmuls_  # noqa: E402
+from halfsafe.export.onnx_split_k import PREFIX, split_matmuls_  # noqa: E402
 from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
+from halfsafe.runtime.profiles import split_groups as groups_for  # noqa: E402
 
 F16, F32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
 SIXTEEN = (16, 16, 16)  # every kind of product's K in 16 groups, where it divides

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..runtime.profiles import SplitK, split_groups
+from ..runtime.profiles import SplitK
 
 PREFIX = "halfsafe_splitk"
 
@@ -40,10 +40,6 @@ class SplitReport:
 
     def to_dict(self) -> dict:
         return {"rule": dict(self.rule), "groups": {k: dict(v) for k, v in self.groups.items()}, "split": dict(self.split)}
-
-
-# the largest power of two <= asked dividing k (1: no split), SplitK's rule for explicit counts
-groups_for = split_groups
 
 
 def _static_dim(shape, i: int) -> int | None:
