@@ -77,11 +77,13 @@ def run(folder, lib: str, *, prompt: str | None = None, ids: list[int] | None = 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def browser(url: str, timeout: float = 300) -> dict:
-    """clients/js/browser.mjs: `url` in headless Chromium; what the page reports (window.halfsafeResult) and its console."""
+def browser(url: str, timeout: float = 300, mode: str = "wasm", chromium: str | None = None, env: dict | None = None) -> dict:
+    """clients/js/browser.mjs: `url` in headless Chromium; what the page reports (window.halfsafeResult) and its console.
+    mode "webgpu": WebGPU on the Vulkan driver `env` names, in `chromium` (tests/browser_webgpu.py gives both)."""
     install()
-    done = subprocess.run(["node", str(CLIENTS / "browser.mjs"), url, str(int(timeout * 1000)), shutil.which("chromium")],
-                          cwd=CLIENTS, capture_output=True, text=True, timeout=timeout + 60)
+    args = [url, str(int(timeout * 1000)), chromium or shutil.which("chromium"), mode]
+    done = subprocess.run(["node", str(CLIENTS / "browser.mjs"), *args], cwd=CLIENTS, capture_output=True, text=True,
+                          timeout=timeout + 60, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"headless Chromium failed on {url}:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -66,15 +66,17 @@ def adapter_missing() -> str | None:
     return f"no software WebGPU adapter: {env_file()} missing (scripts/install-webgpu makes it)"
 
 
-def runtime_env(shader_cache: str | Path | None = None) -> dict:
-    """os.environ plus the env file's variables, as bash sets them when it sources the file (install-webgpu quotes
-    them for the shell), with MESA_SHADER_CACHE_DIR moved to `shader_cache` or $HALFSAFE_SHADER_CACHE when given."""
+def runtime_env(shader_cache: str | Path | None = None, file: Path | None = None) -> dict:
+    """os.environ plus the env file's variables (`file`, else install-webgpu's), as bash sets them when it sources the
+    file (the installers quote them for the shell), with MESA_SHADER_CACHE_DIR moved to `shader_cache` or
+    $HALFSAFE_SHADER_CACHE when given."""
     env = dict(os.environ)
-    names = re.findall(r"^export (\w+)=", env_file().read_text(), re.MULTILINE)
+    file = file or env_file()
+    names = re.findall(r"^export (\w+)=", file.read_text(), re.MULTILINE)
     dump = '. "$1" || exit 1; shift; for name; do printf "%s\\0" "${!name}"; done'
-    done = subprocess.run(["bash", "-c", dump, "bash", str(env_file()), *names], env=env, capture_output=True, timeout=60)
+    done = subprocess.run(["bash", "-c", dump, "bash", str(file), *names], env=env, capture_output=True, timeout=60)
     if done.returncode != 0:
-        raise ValueError(f"{env_file()}: bash cannot source it: {done.stderr.decode(errors='replace').strip()}")
+        raise ValueError(f"{file}: bash cannot source it: {done.stderr.decode(errors='replace').strip()}")
     env.update(zip(names, os.fsdecode(done.stdout).split("\0")))
     shader_cache = shader_cache or os.environ.get(SHADER_CACHE_VAR)
     if shader_cache:
