@@ -1,6 +1,8 @@
 // Loads the served model folder with transformers.js (served from node_modules by serve.py) and generates greedily.
 // URL parameters: model (folder name under /models/, default "model"), lib ("tjs4" or "tjs3"), device ("wasm" or
-// "webgpu"; default webgpu where the browser has it), prompt and tokens (then it generates at once, for tests).
+// "webgpu"; default webgpu where the browser has it), prompt and tokens (then it generates at once, for tests),
+// check=logits (with prompt: first one forward pass over the prompt, its logits reported: all finite?, the last
+// position's argmax; then the generation as usual).
 // When done it sets window.halfsafeResult (the prompt's tokens, the generated text, times) for a test to read.
 const params = new URLSearchParams(location.search);
 const lib = params.get('lib') ?? 'tjs4';
@@ -41,16 +43,28 @@ async function generate() {
     const special = (tokenizer.add_bos_token || tokenizer.add_eos_token) ?? false;
     const prompt_ids = Array.from(tokenizer.encode(prompt, { add_special_tokens: special }));
     $('out').textContent = 'generating ...';
-    const t0 = performance.now();
     try {
+        const logits = params.get('check') === 'logits' ? await checkLogits(tokenizer, prompt, special) : undefined;
+        const t0 = performance.now();
         const [out] = await generator(prompt, { max_new_tokens: new_tokens, min_new_tokens: new_tokens, do_sample: false, return_full_text: false });
         const seconds = (performance.now() - t0) / 1000;
         $('out').textContent = prompt + out.generated_text + `\n\n(${new_tokens} tokens in ${seconds.toFixed(1)} s)`;
-        report({ prompt_ids, text: out.generated_text, generate_s: seconds, load_s: report.load_s, version: env.version, device });
+        report({ prompt_ids, text: out.generated_text, generate_s: seconds, load_s: report.load_s, version: env.version, device, logits });
     } catch (e) {
         $('out').textContent = `generation failed: ${e.message ?? e}`;
         report({ error: String(e.message ?? e), stage: 'generate', version: env.version, device });
     }
+}
+
+// one forward pass of the model over the prompt: are all its logits finite (a float16 overflow makes them inf/NaN),
+// and the last position's argmax
+async function checkLogits(tokenizer, prompt, special) {
+    const { logits } = await generator.model(tokenizer(prompt, { add_special_tokens: special }));
+    const [, length, vocab] = logits.dims;
+    const last = logits.data.subarray((length - 1) * vocab, length * vocab);
+    let argmax = 0;
+    for (let i = 1; i < vocab; i++) if (last[i] > last[argmax]) argmax = i;
+    return { dtype: logits.type, dims: logits.dims, finite: Array.prototype.every.call(logits.data, Number.isFinite), argmax };
 }
 
 $('run').addEventListener('click', generate);
