@@ -12,6 +12,7 @@ Exports of the original (bf16 checkpoint, built-in fixture):
 - `splitk-L{l}-H{h}-A{a}`: the plain export with each product's K split in groups (halfsafe.export.onnx_split_k;
   l for the linear layers, h for the head, a for attention's QK^T), rewritten on the saved graph;
 - `splitk-T{t}`: the plain export with each product's K in the fewest groups of at most t terms (SplitK(terms=t));
+  `splitk-T{l}-{h}-{a}`: a bound each for the linears, the head and QK^T (SplitK(terms=(l, h, a)));
 - `runtime-ort-webgpu`: `export onnx --runtime ort-webgpu` (the rewrite as the profile wires it).
 Per export, on the first TOKENS tokens of the embedded held-out text: non-finite logits, KL(fp32 transformers ||
 WebGPU) per token (mean), top-1 agreement, GREEDY greedy tokens of generate() (KV cache) equal to fp32's before the
@@ -65,7 +66,7 @@ from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 from halfsafe.runtime.profiles import SplitK  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-SPLITK = re.compile(r"^splitk-(?:L(\d+)-H(\d+)-A(\d+)|T(\d+))$")
+SPLITK = re.compile(r"^splitk-(?:L(\d+)-H(\d+)-A(\d+)|T(\d+(?:-\d+-\d+)?))$")
 DEFAULT_VARIANTS = ("unconverted", "plain", "default", "splitk-T256", "splitk-T128", "splitk-T64", "splitk-T32",
                     "splitk-L16-H16-A16")
 T0 = time.perf_counter()
@@ -91,7 +92,7 @@ def export(work: Path, name: str, source: Path, converted: Path) -> Path:
         shutil.copytree(plain, tmp / name)
         (tmp / name / ONNX_FILE).unlink()
         model = ir.load(str(plain / ONNX_FILE))
-        rule = SplitK(terms=int(m[4])) if m[4] else SplitK(groups=(int(m[1]), int(m[2]), int(m[3])))
+        rule = SplitK(terms=_terms(m[4])) if m[4] else SplitK(groups=(int(m[1]), int(m[2]), int(m[3])))
         report = split_matmuls_(model, rule)
         save_program(model, tmp / name / ONNX_FILE)
         (tmp / f"{name}.export.json").write_text(json.dumps(report.to_dict()))
@@ -220,6 +221,12 @@ def main() -> int:
         stepped.write_text(json.dumps(steps, indent=1))
     write_results(rows, ids, args, timing, steps)
     return 0
+
+
+def _terms(text: str) -> int | tuple[int, int, int]:
+    """`T` of splitk-T64 (one bound) or splitk-T128-64-64 (linears, head, QK^T)."""
+    bounds = tuple(int(t) for t in text.split("-"))
+    return bounds[0] if len(bounds) == 1 else bounds
 
 
 def time_in_turn(folders: dict[str, Path], ids: torch.Tensor, rounds: int) -> dict:

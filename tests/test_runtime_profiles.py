@@ -261,7 +261,20 @@ def test_split_k_groups_are_each_kinds_count(k, groups):
     assert SplitK.parse(rule.label) == rule and SplitK.parse(SplitK(terms=groups[0]).label) == SplitK(terms=groups[0])
 
 
-@pytest.mark.parametrize("text", ["", "4", "4,4", "1,2,3,4", "terms:", "terms:0", "terms:-3", "0,4,4", "a,b,c", "terms:2.5"])
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 1 << 16), st.tuples(*[st.integers(1, 4096)] * 3))
+def test_split_k_bounds_per_kind_are_each_kinds_own_rule(k, bounds):
+    """SplitK(terms=(L, H, A)): each kind of product cut as SplitK(terms=its bound) cuts it; written and read back by
+    its label; one bound for all three kinds is the single-number rule, equal to it."""
+    rule = SplitK(terms=bounds)
+    assert [rule.groups_for(kind, k) for kind in KINDS] == [SplitK(terms=b).groups_for(kind, k) for b, kind in zip(bounds, KINDS)]
+    assert SplitK.parse(rule.label) == rule and rule.splits
+    assert (rule == SplitK(terms=bounds[0])) == (len(set(bounds)) == 1)
+    assert rule.to_dict()["terms"] == (bounds[0] if len(set(bounds)) == 1 else list(bounds))
+
+
+@pytest.mark.parametrize("text", ["", "4", "4,4", "1,2,3,4", "terms:", "terms:0", "terms:-3", "0,4,4", "a,b,c", "terms:2.5",
+                                  "terms:64,64", "terms:1,2,3,4", "terms:64,0,64", "terms:64,,64", "terms:a,b,c"])
 def test_split_k_parse_refuses_in_one_line(text):
     with pytest.raises(HalfsafeError, match=r"^[^\n]*(give none, terms:N|at least 1)[^\n]*$"):
         SplitK.parse(text)

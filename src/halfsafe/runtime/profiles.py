@@ -72,25 +72,40 @@ KINDS = ("linear", "head", "attention")  # the products split-K cuts: a weight a
 class SplitK:
     """How split-K (halfsafe.export.onnx_split_k) cuts each matrix product's K, one rule for the graph and its
     emulation: `terms`, the fewest groups (a power of two dividing K) that keep every float16 running sum at most
-    that many terms, so a product whose K is that short stays whole; or, `terms` None, `groups`, a count per kind
-    (linear, head, attention), each product's the largest power of two at most that which divides its K."""
+    that many terms, one bound for every product or one per kind (linear, head, attention), so a product whose K is
+    that short stays whole; or, `terms` None, `groups`, a count per kind (linear, head, attention), each product's
+    the largest power of two at most that which divides its K. A bound the same for all three kinds is kept as one
+    number (SplitK(terms=(64, 64, 64)) == SplitK(terms=64))."""
 
-    terms: int | None = None
+    terms: int | tuple[int, int, int] | None = None
     groups: tuple[int, int, int] = (1, 1, 1)
 
     def __post_init__(self) -> None:
-        if self.terms is not None and (isinstance(self.terms, bool) or not isinstance(self.terms, int) or self.terms < 1):
-            raise HalfsafeError(f"split-K terms {self.terms!r:.60}: give a whole number of at least 1")
+        terms = self.terms
+        bounds = terms if isinstance(terms, tuple) else (terms,) if terms is not None else ()
+        if isinstance(terms, tuple) and len(terms) != 3 or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in bounds):
+            raise HalfsafeError(f"split-K terms {terms!r:.60}: give a whole number of at least 1, or three "
+                                "(linears, head, QK^T)")
+        if isinstance(terms, tuple) and len(set(terms)) == 1:
+            object.__setattr__(self, "terms", terms[0])
         if len(self.groups) != 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.groups):
             raise HalfsafeError(f"split-K groups {self.groups!r:.60}: give three whole numbers of at least 1 "
                                 "(linears, head, attention)")
 
+    def bound(self, kind: str) -> int | None:
+        """The most terms per float16 running sum for products of `kind` (None: the rule counts groups)."""
+        if isinstance(self.terms, tuple):
+            return self.terms[KINDS.index(kind)]
+        return self.terms
+
     def groups_for(self, kind: str, k: int) -> int:
         """How many groups this product's K is cut into (1: left whole); `kind` one of KINDS."""
-        if self.terms is None:
+        bound = self.bound(kind)
+        if bound is None:
             return split_groups(k, self.groups[KINDS.index(kind)])
         g = 1
-        while k // g > self.terms and k % (2 * g) == 0:
+        while k // g > bound and k % (2 * g) == 0:
             g *= 2
         return g
 
@@ -102,28 +117,30 @@ class SplitK:
     def label(self) -> str:
         """As `--split-k` takes it (SplitK.parse)."""
         if self.terms is not None:
-            return f"terms:{self.terms}"
+            return "terms:" + (",".join(map(str, self.terms)) if isinstance(self.terms, tuple) else str(self.terms))
         return ",".join(map(str, self.groups)) if self.splits else "none"
 
     @classmethod
     def parse(cls, text: str) -> "SplitK":
-        """`--split-k`: `none`, `terms:N` or `L,H,A` (groups for the linears, the head and QK^T)."""
-        hint = "give none, terms:N (at most N terms per float16 running sum) or L,H,A (groups for linears, head, QK^T)"
+        """`--split-k`: `none`, `terms:N`, `terms:L,H,A` (at most N terms per running sum, or one bound for the
+        linears, the head and QK^T) or `L,H,A` (groups for the linears, the head and QK^T)."""
+        hint = ("give none, terms:N (at most N terms per float16 running sum), terms:L,H,A (a bound each for linears, "
+                "head, QK^T) or L,H,A (groups for linears, head, QK^T)")
         text = text.strip()
         if text == "none":
             return cls()
         try:
-            if text.startswith("terms:"):
-                return cls(terms=int(text.removeprefix("terms:")))
-            groups = tuple(int(g) for g in text.split(","))
+            numbers = tuple(int(g) for g in text.removeprefix("terms:").split(","))
         except ValueError:
             raise HalfsafeError(f"--split-k {text!r:.60}: {hint}") from None
-        if len(groups) != 3:
+        if text.startswith("terms:") and len(numbers) in (1, 3):
+            return cls(terms=numbers[0] if len(numbers) == 1 else numbers)
+        if len(numbers) != 3 or text.startswith("terms:"):
             raise HalfsafeError(f"--split-k {text!r:.60}: {hint}")
-        return cls(groups=groups)
+        return cls(groups=numbers)
 
     def to_dict(self) -> dict:
-        return {"terms": self.terms, "groups": list(self.groups)}
+        return {"terms": list(self.terms) if isinstance(self.terms, tuple) else self.terms, "groups": list(self.groups)}
 
 
 def split_groups(k: int, asked: int) -> int:

@@ -156,5 +156,5 @@ def attention(profile: RuntimeProfile):
     split = profile.split_k
     if not split.splits:
         return ATTENTION_NAME, attention_webgpu16
-    label = f"t{split.terms}" if split.terms is not None else "qk" + "_".join(map(str, split.groups))
+    label = f"t{split.bound('attention')}" if split.terms is not None else "qk" + "_".join(map(str, split.groups))
     return f"{ATTENTION_NAME}_{label}", functools.partial(attention_webgpu16, split=split)
