@@ -5,11 +5,30 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
-if os.environ.get("HALFSAFE_TEST_THREADS"):  # scripts/test runs the streamed/whole comparisons at 1 thread too
+if os.environ.get("HALFSAFE_TEST_THREADS"):  # torch's thread count, asked for
     import torch
 
     torch.set_num_threads(int(os.environ["HALFSAFE_TEST_THREADS"]))
+elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers share the cores: each takes its part
+    import torch
+
+    # torch's default (every core) in each worker puts several threads on a core to wait on each other (one_thread)
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
+
+# The files that take minutes (--durations, roughly), longest first, run first under pytest-xdist (scripts/test
+# passes --no-loadscope-reorder): workers take whole files in collection order, and a long file left to the end keeps
+# one worker busy while the other idles. test_verify.py converts the real Gemma 3 270M that test_convert_gemma3.py
+# reads too (gemma3_converted), so that one comes later, once the conversion is done.
+LONG_FILES = ("test_verify.py", "test_export_onnx.py", "test_convert_gemma3.py", "test_families.py", "test_rl.py",
+              "test_shrink.py", "test_calib_arith.py", "test_export_gguf.py", "test_export_onnx_runtime.py",
+              "test_write_paths.py", "test_vllm.py")
+
+
+def pytest_collection_modifyitems(items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a single process keeps the usual order
+        rank = {name: i for i, name in enumerate(LONG_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)
@@ -41,11 +60,20 @@ def gemma3_folder() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3_converted(gemma3_folder, tmp_path_factory) -> Path:
-    """Gemma 3 270M converted by halfsafe (a shortened calibration to keep the suite quick)."""
+    """Gemma 3 270M converted by halfsafe (a shortened calibration to keep the suite quick). Converted once per run:
+    under pytest-xdist every worker's session would convert it again (minutes each), so the first worker to ask
+    converts it into the run's shared temporary folder, under a lock, and the others wait for it and read it."""
+    from filelock import FileLock
+
     from halfsafe.convert import convert_checkpoint
 
-    out = tmp_path_factory.mktemp("converted") / "gemma3-270m-fp16"
-    convert_checkpoint(str(gemma3_folder), str(out), seq_len=512, max_samples=2, progress=False)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' folders' common parent
+    out = shared / "gemma3-converted" / "gemma3-270m-fp16"
+    out.parent.mkdir(exist_ok=True)
+    with FileLock(str(out.parent / "lock")):
+        if not (out / "halfsafe.json").is_file():  # the folder appears whole (atomic_folder) or not at all
+            convert_checkpoint(str(gemma3_folder), str(out), seq_len=512, max_samples=2, progress=False)
     return out
 
 
