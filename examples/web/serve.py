@@ -2,11 +2,11 @@
 
     python examples/web/serve.py OUT-onnx [--port 8000]      then open http://localhost:8000/
 
-URL paths: `/` this folder (index.html, app.js), `/node_modules/` clients/js/node_modules (`npm ci
---ignore-scripts` there first), `/models/model/` the model folder. Nothing is fetched from elsewhere, and nothing
-is served from outside those three folders: a path that is not plainly one inside them (not starting with `/`, bad
-percent-encoding, a control character such as `%00`, a `.` or `..` segment, over MAX_PATH characters) is answered
-400 before any file is looked at.
+URL paths: `/` this folder (index.html, app.js; f16_proof.html: does the browser's WebGPU compute in float16?),
+`/node_modules/` clients/js/node_modules (`npm ci --ignore-scripts` there first), `/models/model/` the model folder.
+Nothing is fetched from elsewhere, and nothing is served from outside those three folders: a path that is not plainly
+one inside them (not starting with `/`, bad percent-encoding, a control character such as `%00`, a `.` or `..`
+segment, over MAX_PATH characters) is answered 400 before any file is looked at.
 """
 
 from __future__ import annotations
