@@ -5,7 +5,8 @@ shader-f16, so without this the page never ran halfsafe's fp16 export in float16
 
 A tiny Gemma 3 stressed past float16's range (tests/test_webgpu.py's `stressed`): the converted export generates
 transformers fp32's greedy tokens in the page with device=webgpu (transformers.js 4, the folder's model_fp16.onnx),
-while the unconverted export's logits are non-finite there.
+while the unconverted export's logits are non-finite there. transformers.js 3.8.1 (ONNX Runtime Web's JSEP build) was
+measured to do the same (the same text; none finite) and is left out: its shaders cost another ~35 s cold.
 
 Time (measured on two cores shared with other work, load ~4): the file 141 s once lavapipe has compiled the shaders
 into MESA_SHADER_CACHE_DIR, 206 s with none (HALFSAFE_SHADER_CACHE=a fresh folder); most of it is the stress, the
