@@ -62,7 +62,8 @@ def page(url: str, env: dict, timeout: float = 600) -> dict:
 
 def serve(model: Path, name: str = "model"):
     """examples/web/serve.py's server in a thread for `model`: (server, base url); shut it down when done."""
-    sys.path.insert(0, str(WEB))
+    if str(WEB) not in sys.path:
+        sys.path.insert(0, str(WEB))
     from serve import serve_in_thread
 
     return serve_in_thread(model, name=name)
