@@ -187,10 +187,11 @@ def _split_products(proto) -> dict:
     return found
 
 
-@pytest.mark.parametrize("rule", [None, "terms:16", "terms:32", "none", "2,8,4"])
+@pytest.mark.parametrize("rule", [None, "terms:16", "terms:32", "terms:64,16,8", "none", "2,8,4"])
 def test_cli_export_splits_each_product_as_the_rule_says(exported, tmp_path, rule):
     """`export onnx` by default (the ort-webgpu profile's rule), by a bound on the terms (terms:16: hidden 64 in 4
-    groups, intermediate 128 in 8, QK^T's 16 whole; terms:32: 2, 4, whole), plain, by counts: every product's groups
+    groups, intermediate 128 in 8, QK^T's 16 whole; terms:32: 2, 4, whole; terms:64,16,8: a bound per kind, the
+    linears, the head and QK^T), plain, by counts: every product's groups
     read back from the graph are the rule's for its kind and K, and the report says the same."""
     root, model, *_ = exported
     args = ["export", "onnx", str(root / "converted"), str(tmp_path / "e"), "--json", str(tmp_path / "e.json")]
@@ -199,6 +200,8 @@ def test_cli_export_splits_each_product_as_the_rule_says(exported, tmp_path, rul
     want = _expected_groups(model.config, split)
     if rule == "terms:16":
         assert want == {"linear": {64: 4, 128: 8}, "head": {64: 4}}
+    if rule == "terms:64,16,8":
+        assert want == {"linear": {128: 2}, "head": {64: 4}, "attention": {16: 2}}
     assert _split_products(onnx.load(str(tmp_path / "e" / ONNX_FILE))) == want
     report = json.loads((tmp_path / "e.json").read_text())["split_k"]
     assert {kind: {int(k): g for k, g in gs.items()} for kind, gs in report.get("groups", {}).items()} == want
@@ -218,6 +221,7 @@ def test_cli_convert_to_onnx_takes_the_rule_and_the_profile(exported, tmp_path):
 @pytest.mark.parametrize("args, says", [
     (["export", "onnx", "{converted}", "{out}", "--split-k", "4,4"], "give none, terms:N"),
     (["export", "onnx", "{converted}", "{out}", "--split-k", "terms:0"], "at least 1"),
+    (["export", "onnx", "{converted}", "{out}", "--split-k", "terms:64,64"], "give none, terms:N"),
     (["export", "onnx", "{converted}", "{out}", "--split-k", "0,2,2"], "at least 1"),
     (["export", "gguf", "{converted}", "{out}", "--split-k", "none"], "--split-k is for export onnx"),
     (["convert", "{original}", "{out}", "--split-k", "none"], "--split-k is for --to onnx"),

@@ -58,12 +58,12 @@ def test_profiles_answer_what_they_emulate_measure_and_export():
     assert {n: p[n].attention_kernels for n in p if p[n].attention_kernels} == {"all-fp16": "generic", "ort-webgpu": "ort-webgpu"}
     assert [n for n in p if p[n].graph_activations] == ["ort-webgpu"]
     webgpu = p["ort-webgpu"]
-    t = webgpu.split_k.terms
-    assert (webgpu.linear_split("linear", 4 * t), webgpu.linear_split("head", 4 * t), webgpu.linear_split("conv1d", 4 * t)) == (4, 4, 1)
+    t, th = webgpu.split_k.bound("linear"), webgpu.split_k.bound("head")
+    assert (webgpu.linear_split("linear", 4 * t), webgpu.linear_split("head", 4 * th), webgpu.linear_split("conv1d", 4 * t)) == (4, 4, 1)
     assert all(p[n].linear_split("linear", 4096) == 1 for n in p if n != "ort-webgpu")
     # the export's rewrites, as data
     assert [n for n in p if p[n].prescales_norms] == ["fp16-norm-stats", "layernorm-decomposed", "all-fp16"]
-    assert webgpu.onnx_split_k == SplitK(terms=t) and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
+    assert webgpu.onnx_split_k == webgpu.split_k and webgpu.split_k.terms is not None and all(p[n].onnx_split_k is None for n in p if n != "ort-webgpu")
     assert [n for n in p if p[n].splits_head] == ["fp16-accumulate", "all-fp16"]
 
 

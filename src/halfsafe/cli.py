@@ -124,7 +124,8 @@ def _split_k_option(p, what: str) -> None:
     p.add_argument("--split-k", type=_split_k, metavar="RULE", help=(
         f"{what}how the ONNX graph's matrix products are cut along K, for float16 runtimes whose MatMul keeps one "
         "float16 running sum (ONNX Runtime's WebGPU provider: transformers.js with device 'webgpu', dtype 'fp16'): "
-        "none (the plain graph), terms:N (each product's K in the fewest groups of at most N terms) or L,H,A (groups "
+        "none (the plain graph), terms:N (each product's K in the fewest groups of at most N terms), terms:L,H,A (a "
+        "bound each for the linear layers, the head and attention's QK^T) or L,H,A (groups "
         f"for the linear layers, the head and attention's QK^T); default: the ort-webgpu profile's, "
         f"{PROFILES['ort-webgpu'].split_k.label} (a provider that sums in float32 computes the split and the plain graph alike)"))
 

@@ -45,12 +45,18 @@ breaks under it. The kernels each profile follows, read at the commits named:
   `split_k` is emulated too (arith16.split_matmul16; QK^T in kernels.ort_webgpu): the profile computes what
   `export onnx` writes for the same SplitK, measured bit for bit on Gemma 3 270M with linears and head split in 16
   (KL 1.41e-4 against 1.93e-3 unsplit, 48 tokens) and on tiny models under group counts and bounds on the terms
-  (tests); the plain export is `dataclasses.replace(profile, split_k=SplitK())`. The rule, SplitK(terms=64): each
-  product's K in the fewest power-of-two groups of at most 64 terms per float16 running sum (Gemma 3 270M: q, k, v,
-  gate, up and the head 640 in 16 groups of 40, o 1024 in 16, down 2048 in 32, QK^T 256 in 4), chosen from
-  bench/webgpu.py's curve on Gemma 3 270M under the real provider (KL to fp32 over 48 tokens, bf16's 9.25e-4, the
-  plain graph's 2.35e-3): at most 256 terms 3.34e-4, 128 1.36e-4, 64 8.26e-5, 32 6.54e-5; 64 is the longest bound
-  measured at least 10x below bf16's. It is also what `export onnx` writes by default (export_profile): a provider
+  (tests); the plain export is `dataclasses.replace(profile, split_k=SplitK())`. transformers.js numbers Gemma 3's
+  positions from 1 (its decoder_forward's start_index, for paligemma and gemma3): RoPE makes that the same function,
+  not the same roundings, so its logits are the emulation's bit for bit when the emulated model is given the same
+  position_ids (measured: the real 270M under the default split, 48 tokens, every logit equal).
+  The rule, SplitK(terms=(64, 64, 128)): each product's K in the fewest power-of-two groups of at most 64 terms per
+  float16 running sum for the linears and the head, 128 for QK^T (Gemma 3 270M: q, k, v, gate, up and the head 640
+  in 16 groups of 40, o 1024 in 16, down 2048 in 32, QK^T 256 in 2), chosen per kind from the emulated curve on
+  Gemma 3 270M (128 held-out tokens, KL to fp32, positions from 0 and from 1; bf16's 9.23e-4 and 9.44e-4): a bound
+  of 64 everywhere 8.91e-5 and 8.35e-5; the linears at 128 1.04e-4 and 1.08e-4 (not 10x below bf16), the head at
+  128 (8 groups of 80) 1.15e-4 (48 tokens), the head whole 1.30e-3 (48 tokens, worse than bf16); QK^T at 128
+  8.96e-5 and 7.92e-5, whole 1.62e-4 (48 tokens). So the linears and the head need 64, QK^T 128, and nothing
+  shorter than its bound is split. It is also what `export onnx` writes by default (export_profile): a provider
   that sums in float32 computes the split graph as the plain one, up to float16 roundings of the partials.
 """
 
@@ -259,8 +265,9 @@ PROFILES = {p.name: p for p in (
                    rms_stats_fp16=True, layernorm_fp16=True, matmul_chunk=32, attention_fp16=True),
     RuntimeProfile("ort-webgpu", "ONNX Runtime's WebGPU provider (transformers.js device 'webgpu', onnxruntime-node "
                    "1.30, measured on lavapipe): MatMul a float16 running sum of rounded products; attention, softmax, "
-                   "GELU and norms as its shaders compute them. The export splits each product's K (linears, head, "
-                   "QK^T) into groups of at most 64 terms, added pairwise", matmul_chunk=1, attention_fp16=True, kernels="ort-webgpu", split_k=SplitK(terms=64)),
+                   "GELU and norms as its shaders compute them. The export splits each product's K into groups of at "
+                   "most 64 terms (linears, head) or 128 (QK^T), added pairwise", matmul_chunk=1, attention_fp16=True,
+                   kernels="ort-webgpu", split_k=SplitK(terms=(64, 64, 128))),
 )}
 
 
