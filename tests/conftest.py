@@ -13,7 +13,8 @@ elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers share 
     import torch
 
     # torch's default (every core) in each worker puts several threads on a core to wait on each other (one_thread)
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
 
 # The files that take minutes (--durations, roughly), longest first, run first under pytest-xdist (scripts/test
