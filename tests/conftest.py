@@ -13,8 +13,8 @@ if os.environ.get("HALFSAFE_TEST_THREADS"):  # scripts/test runs the streamed/wh
 elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers share the cores: each takes its part
     import torch
 
-    # torch's default (every core) in each worker puts several threads on a core to wait on each other (one_thread)
     DEFAULT_THREADS = torch.get_num_threads()
+    # torch's default (every core) in each worker puts several threads on a core to wait on each other (one_thread)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
