@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # `from tiny import ...`
 # one worker busy while the other idles. test_verify.py converts the real Gemma 3 270M that test_convert_gemma3.py
 # reads too (gemma3_converted), so that one comes later, once the conversion is done.
 LONG_FILES = ("test_verify.py", "test_export_onnx.py", "test_convert_gemma3.py", "test_families.py", "test_rl.py",
-              "test_shrink.py", "test_calib_arith.py", "test_wide.py", "test_engine.py", "test_export_gguf.py",
+              "test_shrink.py", "test_calib_arith.py", "test_webgpu.py", "test_llama_vulkan.py", "test_wide.py", "test_engine.py", "test_export_gguf.py",
               "test_export_onnx_runtime.py", "test_write_paths.py", "test_vllm.py")
 
 
