@@ -2,7 +2,7 @@
 """examples/web on the real Gemma 3 270M in headless Chromium on a real float16 WebGPU adapter: lavapipe under
 SwiftShader's ids (scripts/install-browser-webgpu), proven in the page first (examples/web/f16_proof.html), with
 transformers.js 4 and device=webgpu. The export is halfsafe's default (`halfsafe convert`, then `halfsafe export onnx`,
-which splits each product's K to at most 64 terms per float16 running sum: halfsafe.export.onnx_split_k).
+which splits each product's K by the ort-webgpu profile's rule: halfsafe.export.onnx_split_k).
 
 Against transformers float32 of the original (the bf16 checkpoint's weights in float32): the prompt's tokens, one
 forward's logits over the prompt (all finite? the last argmax), the greedy tokens of the page's pipeline (its text
@@ -38,6 +38,7 @@ from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 from halfsafe.io.loading import load_model  # noqa: E402
+from halfsafe.runtime.profiles import get_profile  # noqa: E402
 
 PROMPT = "Glaciers are rivers of ice that move under their own weight."  # bench/web_page.py's
 
@@ -104,8 +105,8 @@ def main() -> int:
         f"examples/web in headless Chromium ({machine['chromium']}) with device=webgpu on a real float16 adapter "
         f"(Mesa's lavapipe under SwiftShader's ids, {machine['mesa']}; the page's f16 proof: a sum of 4096 ones "
         f"{proof['outputs']['sum_of_ones']:g}, 300*300 {proof['outputs']['product']:g}), transformers.js "
-        f"{r.get('version', '?')}; Gemma 3 270M converted and exported by halfsafe at default settings (split-K, at "
-        f"most 64 terms per float16 running sum); prompt {PROMPT!r}, {args.tokens} greedy tokens; reference "
+        f"{r.get('version', '?')}; Gemma 3 270M converted and exported by halfsafe (the default split-K: "
+        f"{get_profile('ort-webgpu').split_k.label}, unless --folder names another export); prompt {PROMPT!r}, {args.tokens} greedy tokens; reference "
         f"transformers float32. {machine['cpus']} CPU cores ({platform.machine()}), load average "
         f"{machine['load_avg'][0]:.1f} at the end. Command: `python bench/browser_webgpu.py {' '.join(sys.argv[1:])}`.", "",
         "| prompt tokens = fp32 | logits finite | last argmax = fp32 | greedy = fp32 before first difference | text = fp32 "
