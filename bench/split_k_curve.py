@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
+from halfsafe.core.metrics import mean_kl, top1_agreement  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime  # noqa: E402
 from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
@@ -40,10 +41,6 @@ WHOLE = 1 << 30  # a bound no K reaches: the product stays whole
 
 def rule(text: str) -> SplitK:
     return SplitK(terms=tuple(int(t) or WHOLE for t in text.split(",")))
-
-
-def kl(lp: torch.Tensor, logits: torch.Tensor) -> float:
-    return float((lp.exp() * (lp - torch.log_softmax(logits, -1))).sum(-1).mean())
 
 
 def main() -> int:
@@ -69,15 +66,14 @@ def main() -> int:
         with torch.no_grad():
             full = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
             ref = full(ids, position_ids=pos).logits.double()
-            lp = torch.log_softmax(ref, -1)
-            rows.setdefault("bf16 (PyTorch)", {})[start] = {"kl": kl(lp, full.to(torch.bfloat16)(ids, position_ids=pos).logits.double())}
+            rows.setdefault("bf16 (PyTorch)", {})[start] = {"kl": mean_kl(ref, full.to(torch.bfloat16)(ids, position_ids=pos).logits)}
             del full
             half = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float16).eval()
             for text in args.rules:
                 t = time.perf_counter()
                 with emulate_runtime(half, replace(get_profile("ort-webgpu"), split_k=rule(text))):
                     out = half(ids, position_ids=pos).logits.double()
-                rows.setdefault(text, {})[start] = {"kl": kl(lp, out), "top1": float((out.argmax(-1) == ref.argmax(-1)).double().mean()),
+                rows.setdefault(text, {})[start] = {"kl": mean_kl(ref, out), "top1": top1_agreement(ref, out),
                                                     "s": round(time.perf_counter() - t, 1)}
                 print(json.dumps({"rule": text, "start": start, **rows[text][start]}), flush=True)
     write(rows, args)

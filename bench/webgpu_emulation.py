@@ -34,6 +34,7 @@ import webgpu  # noqa: E402
 from test_ort_webgpu_model import _feeds  # noqa: E402
 
 from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
+from halfsafe.core.metrics import mean_kl  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE  # noqa: E402
 from halfsafe.runtime.emulate import emulate_runtime  # noqa: E402
 from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
@@ -78,14 +79,13 @@ def main() -> int:
         for client, real, start in (("ONNX Runtime, graph fed directly", direct, 0), ("transformers.js 4", via_js.float(), 1)):
             pos = torch.arange(start, start + ids.shape[1])[None]
             with torch.no_grad():
-                ref = torch.log_softmax(fp32(ids, position_ids=pos).logits.double(), -1)
+                ref = fp32(ids, position_ids=pos).logits.double()
                 with emulate_runtime(half, profile):
                     emulated = half(ids, position_ids=pos).logits.float()
-            kl = lambda x: float((ref.exp() * (ref - torch.log_softmax(x.double(), -1))).sum(-1).mean())  # noqa: E731
             rows[f"{name} / {client}"] = {"split_k": profile.split_k.label, "positions_from": start,
                                           "equal": float((emulated == real).double().mean()),
                                           "max_abs_diff": float((emulated - real).abs().max()),
-                                          "kl_runtime": kl(real), "kl_emulated": kl(emulated)}
+                                          "kl_runtime": mean_kl(ref, real), "kl_emulated": mean_kl(ref, emulated)}
             print(json.dumps({k: v for k, v in rows.items() if k.startswith(name)}), flush=True)
     lines = [f"The `ort-webgpu` emulation against ONNX Runtime's WebGPU provider (onnxruntime-node, lavapipe) on the real "
              f"Gemma 3 270M, {args.tokens} tokens of the embedded held-out text, all 262144 logits per token. Command: "
