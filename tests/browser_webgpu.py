@@ -60,8 +60,9 @@ def page(url: str, env: dict, timeout: float = 600) -> dict:
     return jsclient.browser(url, timeout, mode="webgpu", chromium=env["HALFSAFE_WEBGPU_CHROMIUM"], env=env)
 
 
-def serve(model: Path, name: str = "model"):
-    """examples/web/serve.py's server in a thread for `model`: (server, base url); shut it down when done."""
+def serve(model: Path | dict[str, Path], name: str = "model"):
+    """examples/web/serve.py's server in a thread for `model` (or {name: folder}): (server, base url); shut it down
+    when done."""
     if str(WEB) not in sys.path:
         sys.path.insert(0, str(WEB))
     from serve import serve_in_thread

@@ -85,3 +85,43 @@ def test_no_path_serves_outside_the_folders_or_drops_the_connection(server, part
     assume(target)  # an empty target makes an HTTP/0.9 request line, whose answer has no status line
     status, data = ask(port, target)
     assert status in (200, 301, 400, 404) and SECRET not in data and not errors, (status, data[:300], errors)
+
+
+def test_named_models_are_served_each_under_its_name(tmp_path):
+    """serve.py NAME=FOLDER ...: each folder as /models/NAME/ (time_steps.html times two exports in one page)."""
+    for name in ("plain", "default"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(f'{{"name": "{name}"}}')
+    srv, _ = serve_in_thread({"plain": tmp_path / "plain", "default": tmp_path / "default"})
+    try:
+        port = srv.server_address[1]
+        for name in ("plain", "default"):
+            status, data = ask(port, f"/models/{name}/config.json".encode())
+            assert status == 200 and data.endswith(f'{{"name": "{name}"}}'.encode())
+        assert ask(port, b"/models/model/config.json")[0] == 404 and ask(port, b"/time_steps.html")[0] == 200
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..", ".", "a b", "a" * 65, "m\x00", "é", "a%2fb"])
+def test_a_model_name_that_is_not_one_path_segment_is_refused(tmp_path, name):
+    from serve import make_server
+
+    with pytest.raises(ValueError, match="model name"):
+        make_server({name: tmp_path})
+
+
+@pytest.mark.parametrize("argv", [["a={e}", "a={e}"], ["{e}", "{e}"], ["a={e}", "b={bad}"]],
+                         ids=["one name twice", "two unnamed", "not an export"])
+def test_the_cli_refuses_bad_folders_in_one_line(tmp_path, argv):
+    import subprocess
+
+    export, bad = tmp_path / "export", tmp_path / "bad"
+    (export / "onnx").mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    bad.mkdir()
+    serve = Path(__file__).resolve().parent.parent / "examples" / "web" / "serve.py"
+    done = subprocess.run([sys.executable, str(serve), *(a.format(e=export, bad=bad) for a in argv)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and not done.stdout, done.stderr

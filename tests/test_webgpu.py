@@ -231,3 +231,56 @@ def test_unconverted_export_overflows_on_float16_webgpu(stressed, browser_gpu):
     got = _page(s.export("original"), browser_gpu.env, lib="tjs4", device="webgpu", prompt=PROMPT, tokens=1, check="logits")
     assert got["device"] == "webgpu" and got["prompt_ids"] == s.ids[0].tolist()
     assert got["logits"]["dtype"] == "float32" and not got["logits"]["finite"]
+
+
+# time_steps.html: the plain graph (`--split-k none`) and the default (split-K) of the converted export, timed in turn
+# in one page (bench/browser_webgpu.py --steps runs it on Gemma 3 270M); a prefill of a few tokens and a decode step
+# after a past longer than the tiny Gemma 3's sliding window
+STEP_IDS, STEP_PAST, STEP_ROUNDS = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48], 12, 2
+
+
+def test_time_steps_page_times_plain_and_default_in_turn(stressed, browser_gpu):
+    """Every export's warm-up and every round's prefill and decode step: a finite positive time, its ratio to the
+    plain graph's; the feeds as clients/js/time_steps.mjs makes them (positions from 0, the decode step's past of
+    STEP_PAST tokens) and the outputs they give (the present one longer than the past). No assertion on times."""
+    from halfsafe.runtime.profiles import SplitK
+
+    s = stressed(BROWSER_KEY)
+    plain = s.root / "converted-plain-onnx"
+    if not plain.exists():
+        export_onnx(s.root / "converted", plain, split_k=SplitK())
+    folders = {"plain": plain, "default": s.export("converted")}
+    server, url = browser_webgpu.serve(folders)
+    try:
+        query = urllib.parse.urlencode({"models": ",".join(folders), "ids": ",".join(map(str, STEP_IDS)),
+                                        "past": STEP_PAST, "rounds": STEP_ROUNDS})
+        got = browser_webgpu.page(f"{url}time_steps.html?{query}", browser_gpu.env)
+    finally:
+        server.shutdown()
+    r = got["result"]
+    assert "error" not in r, (r, got["logs"][-5:])
+    assert r["adapter"] == {**{k: browser_gpu.proof["adapter"][k] for k in ("vendor", "architecture", "description")},
+                            "shader_f16": True}
+    assert (r["prefill"], r["past"], r["rounds"]) == (len(STEP_IDS), STEP_PAST, STEP_ROUNDS)
+    config = s.fp32.config
+    n, heads, dim, vocab = len(STEP_IDS), config.num_key_value_heads, config.head_dim, config.vocab_size
+    assert r["feeds"] == {
+        "prefill": {"input_ids": [1, n], "attention_mask": [1, n], "positions": [0, n - 1], "kv": [1, heads, 0, dim]},
+        "decode": {"input_ids": [1, 1], "attention_mask": [1, STEP_PAST + 1], "positions": [STEP_PAST, STEP_PAST],
+                   "kv": [1, heads, STEP_PAST, dim]}}
+    step_out = {"prefill": {"logits": [1, n, vocab], "kv": [1, heads, n, dim]},
+                "decode": {"logits": [1, 1, vocab], "kv": [1, heads, STEP_PAST + 1, dim]}}
+    assert r["outputs"] == {name: step_out for name in folders}
+
+    def positive(t):
+        return isinstance(t, (int, float)) and np.isfinite(t) and t > 0
+
+    for step in ("prefill", "decode"):
+        times = r[f"{step}_s"]
+        assert list(times) == list(r["warm_s"][step]) == list(r["ratio"][step]) == list(folders)
+        for name in folders:
+            assert positive(r["warm_s"][step][name])
+            assert len(times[name]) == len(r["ratio"][step][name]) == STEP_ROUNDS
+            assert all(map(positive, times[name] + r["ratio"][step][name]))
+            assert r["ratio"][step][name] == [t / b for t, b in zip(times[name], times["plain"])]
+            assert positive(r["median"][step][name]) and positive(r["median_ratio"][step][name])

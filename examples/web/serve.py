@@ -1,10 +1,12 @@
-"""Serve the page, transformers.js (clients/js/node_modules) and one exported model folder from localhost.
+"""Serve the page, transformers.js (clients/js/node_modules) and exported model folders from localhost.
 
     python examples/web/serve.py OUT-onnx [--port 8000]      then open http://localhost:8000/
+    python examples/web/serve.py plain=OUT1-onnx default=OUT2-onnx      then open .../time_steps.html?models=plain,default&...
 
-URL paths: `/` this folder (index.html, app.js; f16_proof.html: does the browser's WebGPU compute in float16?),
-`/node_modules/` clients/js/node_modules (`npm ci --ignore-scripts` there first), `/models/model/` the model folder.
-Nothing is fetched from elsewhere, and nothing is served from outside those three folders: a path that is not plainly
+URL paths: `/` this folder (index.html, app.js; f16_proof.html: does the browser's WebGPU compute in float16?;
+time_steps.html: prefill and decode steps of exports timed in turn), `/node_modules/` clients/js/node_modules
+(`npm ci --ignore-scripts` there first), `/models/model/` the model folder (`/models/NAME/` each NAME=FOLDER).
+Nothing is fetched from elsewhere, and nothing is served from outside those folders: a path that is not plainly
 one inside them (not starting with `/`, bad percent-encoding, a control character such as `%00`, a `.` or `..`
 segment, over MAX_PATH characters) is answered 400 before any file is looked at.
 """
@@ -25,6 +27,7 @@ NODE_MODULES = HERE.parent.parent / "clients" / "js" / "node_modules"
 MAX_PATH = 1024  # characters of a decoded URL path; the page's longest is under 200
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\\]")  # and backslash: no file here has one, and it is a separator elsewhere
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a model's name in /models/NAME/
 
 
 def bad_path(target: str) -> str | None:
@@ -80,14 +83,19 @@ _Handler.extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map
                            ".js": "text/javascript", ".wasm": "application/wasm", ".json": "application/json"}
 
 
-def make_server(model: Path, port: int = 0, name: str = "model") -> http.server.ThreadingHTTPServer:
-    """A server (not started) for the page, node_modules and `model` as /models/`name`/; port 0 picks a free one."""
-    roots = {"/node_modules/": NODE_MODULES, f"/models/{name}/": Path(model).resolve(), "/": HERE}
+def make_server(model: Path | dict[str, Path], port: int = 0, name: str = "model") -> http.server.ThreadingHTTPServer:
+    """A server (not started) for the page, node_modules and `model` as /models/`name`/ (or each folder of a
+    {name: folder} dict as /models/name/); port 0 picks a free one."""
+    models = model if isinstance(model, dict) else {name: model}
+    bad = [n for n in models if not NAME.fullmatch(n)]
+    if bad:
+        raise ValueError(f"model name {bad[0]!r:.40}: use letters, digits, - and _")
+    roots = {"/node_modules/": NODE_MODULES, **{f"/models/{n}/": Path(f).resolve() for n, f in models.items()}, "/": HERE}
     handler = type("Handler", (_Handler,), {"roots": roots})
     return http.server.ThreadingHTTPServer(("127.0.0.1", port), functools.partial(handler, directory=str(HERE)))
 
 
-def serve_in_thread(model: Path, name: str = "model") -> tuple[http.server.ThreadingHTTPServer, str]:
+def serve_in_thread(model: Path | dict[str, Path], name: str = "model") -> tuple[http.server.ThreadingHTTPServer, str]:
     server = make_server(model, name=name)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
@@ -95,17 +103,23 @@ def serve_in_thread(model: Path, name: str = "model") -> tuple[http.server.Threa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", help="a folder written by `halfsafe export onnx`")
+    ap.add_argument("model", nargs="+", help="a folder written by `halfsafe export onnx` (served as /models/model/), "
+                    "or NAME=FOLDER, one or more (each as /models/NAME/)")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
-    model = Path(args.model)
-    if not (model / "config.json").is_file() or not (model / "onnx").is_dir():
-        print(f"{model} is not an exported ONNX folder (config.json + onnx/): give the folder `halfsafe export onnx` wrote", file=sys.stderr)
+    named = [m.split("=", 1) if "=" in m and NAME.fullmatch(m.split("=", 1)[0]) else ["model", m] for m in args.model]
+    models = {n: Path(f) for n, f in named}
+    if len(models) != len(named):
+        print("two folders under one name: give each NAME=FOLDER its own NAME", file=sys.stderr)
         return 2
+    for model in models.values():
+        if not (model / "config.json").is_file() or not (model / "onnx").is_dir():
+            print(f"{model} is not an exported ONNX folder (config.json + onnx/): give the folder `halfsafe export onnx` wrote", file=sys.stderr)
+            return 2
     if not NODE_MODULES.is_dir():
         print(f"{NODE_MODULES} is missing: run `npm ci --ignore-scripts` in {NODE_MODULES.parent}", file=sys.stderr)
         return 2
-    server = make_server(model, args.port)
+    server = make_server(models, args.port)
     print(f"serving on http://localhost:{server.server_address[1]}/ (Ctrl-C stops)")
     try:
         server.serve_forever()
