@@ -9,9 +9,17 @@ forward's logits over the prompt (all finite? the last argmax), the greedy token
 encoded again by the tokenizer) equal to fp32's before the first difference, and the load and generate times the page
 reports (the first generate compiles lavapipe's shaders unless MESA_SHADER_CACHE_DIR has them).
 
+`--steps N` also times what generation runs, in the same browser on the same proven adapter: a prefill (--prefill
+tokens of the embedded held-out text, as bench/webgpu.py's, no past) and a decode step (one token after a past of
+--past tokens) of the plain graph (`--split-k none`, --plain) and the default export, in turn in one page for N rounds
+(examples/web/time_steps.html, ONNX Runtime Web's WebGPU provider as transformers.js 4 bundles it, with the feeds of
+clients/js/time_steps.mjs, whose Node figures are bench/results/webgpu.md's); each export's first run of each step
+(shader compilation) is reported apart. `--keep-greedy` keeps the greedy row of the last run instead of measuring it
+again (same --folder).
+
 Writes bench/results/browser_webgpu.{md,json}.
-Command: `python bench/browser_webgpu.py [--folder EXPORT] [--tokens 16]` (without --folder, the export is made in
---work on first use).
+Command: `python bench/browser_webgpu.py [--folder EXPORT] [--tokens 16] [--steps 3 [--plain EXPORT] [--keep-greedy]]`
+(without --folder or --plain, the exports are made in --work on first use).
 """
 
 from __future__ import annotations
@@ -31,25 +39,28 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import browser_webgpu  # noqa: E402
 import jsclient  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import webgpu  # noqa: E402
 
+from halfsafe.calibration import heldout_text, make_samples  # noqa: E402
 from halfsafe.convert import convert_checkpoint  # noqa: E402
 from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 from halfsafe.io.loading import load_model  # noqa: E402
-from halfsafe.runtime.profiles import get_profile  # noqa: E402
+from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
 
 PROMPT = "Glaciers are rivers of ice that move under their own weight."  # bench/web_page.py's
+RESULTS = ROOT / "bench" / "results"
 
 
-def _export(work: Path) -> Path:
-    """The default export of the default conversion, made in `work` on first use."""
-    converted, folder = work / "converted", work / "default-onnx"
+def _export(work: Path, plain: bool = False) -> Path:
+    """The default export of the default conversion (or its plain graph, `--split-k none`), made in `work` on first use."""
+    converted, folder = work / "converted", work / ("plain-onnx" if plain else "default-onnx")
     if not (folder / ONNX_FILE).is_file():
         if not (converted / "halfsafe.json").is_file():
             convert_checkpoint(str(gemma3_270m_folder()), str(converted), progress=False, overwrite=True)
-        export_onnx(converted, folder, overwrite=True)
+        export_onnx(converted, folder, overwrite=True, split_k=SplitK() if plain else None)
     return folder
 
 
@@ -62,7 +73,17 @@ def main() -> int:
     ap.add_argument("--folder", help="an export of the converted Gemma 3 270M (default: made in --work)")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "halfsafe-bench-browser-webgpu"))
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=0, help="also time a prefill and a decode step of the plain graph and "
+                    "the default export, STEPS rounds in turn in one page (examples/web/time_steps.html)")
+    ap.add_argument("--plain", help="--steps: the plain export (`--split-k none`) of the same conversion (default: made in --work)")
+    ap.add_argument("--prefill", type=int, default=128, help="--steps: the prefill's tokens")
+    ap.add_argument("--past", type=int, default=256, help="--steps: the decode step's past tokens")
+    ap.add_argument("--keep-greedy", action="store_true", help="keep the greedy row of the last run (same --folder)")
     args = ap.parse_args()
+    stored = json.loads((RESULTS / "browser_webgpu.json").read_text()) if args.keep_greedy else None
+    if stored is not None and stored["folder"] != str(Path(args.folder) if args.folder else _export_path(args.work)):
+        print(f"--keep-greedy: the last run's row is of {stored['folder']}, not this --folder", file=sys.stderr)
+        return 2
     reason = browser_webgpu.missing()
     if reason is not None:
         print(reason, file=sys.stderr)
@@ -73,16 +94,32 @@ def main() -> int:
         print(f"the browser's WebGPU adapter is not proven float16: {proof}", file=sys.stderr)
         return 2
     folder = Path(args.folder) if args.folder else _export(Path(args.work))
+    result = stored if stored is not None else greedy(folder, args.tokens, proof, env)
+    if args.steps:
+        plain = Path(args.plain) if args.plain else _export(Path(args.work), plain=True)
+        result["steps"] = time_steps({"plain": plain, "default": folder}, args, proof, env)
+    lines = greedy_lines(result) + (steps_lines(result["steps"]) if result.get("steps") else [])
+    (RESULTS / "browser_webgpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "browser_webgpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\n".join(lines))
+    return 0
 
+
+def _export_path(work: str) -> str:
+    return str(Path(work) / "default-onnx")
+
+
+def greedy(folder: Path, new_tokens: int, proof: dict, env: dict) -> dict:
+    """examples/web's page on `folder`: the prompt's tokens, logits, greedy tokens against transformers float32."""
     loaded = load_model(gemma3_270m_folder())  # float32
     tokenizer = loaded.tokenizer
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
-        want = loaded.model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+        want = loaded.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
     del loaded
 
     server, url = browser_webgpu.serve(folder)
-    query = urllib.parse.urlencode({"lib": "tjs4", "device": "webgpu", "prompt": PROMPT, "tokens": args.tokens, "check": "logits"})
+    query = urllib.parse.urlencode({"lib": "tjs4", "device": "webgpu", "prompt": PROMPT, "tokens": new_tokens, "check": "logits"})
     t0 = time.perf_counter()
     try:
         got = browser_webgpu.page(f"{url}?{query}", env, timeout=1800)
@@ -98,29 +135,83 @@ def main() -> int:
     machine = {"platform": platform.platform(), "cpus": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
                "chromium": jsclient.chromium_version(), "mesa": webgpu.env_file().parent.name,
                "adapter": proof["adapter"], "shader_f16": proof["shader_f16"], "f16_proof": proof["outputs"]}
-    result = {"folder": str(folder), "prompt": PROMPT, "tokens": args.tokens, "reference_ids": want,
-              "reference_text": tokenizer.decode(want, skip_special_tokens=True), "row": row, "machine": machine}
-    logits = r.get("logits") or {}
-    lines = [
+    return {"folder": str(folder), "prompt": PROMPT, "tokens": new_tokens, "reference_ids": want,
+            "reference_text": tokenizer.decode(want, skip_special_tokens=True), "row": row, "machine": machine,
+            "command": f"python bench/browser_webgpu.py {' '.join(sys.argv[1:])}"}
+
+
+def greedy_lines(result: dict) -> list[str]:
+    row, machine, want, n = result["row"], result["machine"], result["reference_ids"], result["tokens"]
+    logits, proof = row.get("logits") or {}, machine["f16_proof"]
+    command = result.get("command", f"python bench/browser_webgpu.py --folder {result['folder']} --tokens {n}")
+    return [
         f"examples/web in headless Chromium ({machine['chromium']}) with device=webgpu on a real float16 adapter "
         f"(Mesa's lavapipe under SwiftShader's ids, {machine['mesa']}; the page's f16 proof: a sum of 4096 ones "
-        f"{proof['outputs']['sum_of_ones']:g}, 300*300 {proof['outputs']['product']:g}), transformers.js "
-        f"{r.get('version', '?')}; Gemma 3 270M converted and exported by halfsafe (the default split-K: "
-        f"{get_profile('ort-webgpu').split_k.label}, unless --folder names another export); prompt {PROMPT!r}, {args.tokens} greedy tokens; reference "
+        f"{proof['sum_of_ones']:g}, 300*300 {proof['product']:g}), transformers.js "
+        f"{row.get('version', '?')}; Gemma 3 270M converted and exported by halfsafe (the default split-K: "
+        f"{get_profile('ort-webgpu').split_k.label}, unless --folder names another export); prompt {PROMPT!r}, {n} greedy tokens; reference "
         f"transformers float32. {machine['cpus']} CPU cores ({platform.machine()}), load average "
-        f"{machine['load_avg'][0]:.1f} at the end. Command: `python bench/browser_webgpu.py {' '.join(sys.argv[1:])}`.", "",
+        f"{machine['load_avg'][0]:.1f} at the end. Command: `{command}`.", "",
         "| prompt tokens = fp32 | logits finite | last argmax = fp32 | greedy = fp32 before first difference | text = fp32 "
         "| load (s) | generate (s) | error |",
         "|---|---|---|---:|---|---:|---:|---|",
         f"| {'yes' if row['prompt_ids_equal'] else 'NO'} | {logits.get('finite', '-')} "
-        f"| {'yes' if logits.get('argmax') == want[0] else 'NO'} | {row['greedy_equal_before_first_difference']} of {args.tokens} "
-        f"| {'yes' if row['text_equal'] else 'NO'} | {r.get('load_s', float('nan')):.1f} | {r.get('generate_s', float('nan')):.1f} "
-        f"| {r.get('error', '-')} |",
+        f"| {'yes' if logits.get('argmax') == want[0] else 'NO'} | {row['greedy_equal_before_first_difference']} of {n} "
+        f"| {'yes' if row['text_equal'] else 'NO'} | {row.get('load_s', float('nan')):.1f} | {row.get('generate_s', float('nan')):.1f} "
+        f"| {row.get('error', '-')} |",
     ]
-    (ROOT / "bench" / "results" / "browser_webgpu.md").write_text("\n".join(lines) + "\n")
-    (ROOT / "bench" / "results" / "browser_webgpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(lines))
-    return 0
+
+
+def time_steps(folders: dict[str, Path], args, proof: dict, env: dict) -> dict:
+    """examples/web/time_steps.html on `folders` (the first the baseline): the page's times, its adapter the proof's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gemma3_270m_folder()))
+    ids = make_samples([heldout_text()], tok, tok.vocab_size, args.prefill, 1)[0][0].tolist()  # bench/webgpu.py's
+    query = urllib.parse.urlencode({"models": ",".join(folders), "ids": ",".join(map(str, ids)), "past": args.past,
+                                    "rounds": args.steps})
+    load_before = os.getloadavg()
+    server, url = browser_webgpu.serve(folders)
+    t0 = time.perf_counter()
+    try:
+        got = browser_webgpu.page(f"{url}time_steps.html?{query}", env, timeout=1800 + 900 * args.steps)
+    finally:
+        server.shutdown()
+    r = got["result"]
+    if "error" in r:
+        raise RuntimeError(f"time_steps.html failed at {r.get('stage')}: {r['error']}\n" + "\n".join(got["logs"][-10:]))
+    want = {k: proof["adapter"][k] for k in ("vendor", "architecture", "description")}
+    if {k: r["adapter"][k] for k in want} != want or not r["adapter"]["shader_f16"]:
+        raise RuntimeError(f"the timing page's adapter {r['adapter']} is not the proven one {proof['adapter']}")
+    return {**r, "folders": {k: str(v) for k, v in folders.items()}, "wall_s": time.perf_counter() - t0,
+            "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+            "command": f"python bench/browser_webgpu.py {' '.join(sys.argv[1:])}"}
+
+
+def steps_lines(steps: dict) -> list[str]:
+    """bench/webgpu.py's steps table for the page's times, with each round's ratio and the warm-up apart."""
+    base = next(iter(steps["prefill_s"]))
+    before, after = steps["load_avg_before"], steps["load_avg_after"]
+    lines = ["", f"Prefill of {steps['prefill']} tokens (no past) and decode step (one token after {steps['past']}) in the "
+             f"same browser and adapter (examples/web/time_steps.html, ONNX Runtime Web {steps.get('version', '?')}'s WebGPU "
+             f"provider; the feeds of clients/js/time_steps.mjs, positions from 0), the exports in turn in one page "
+             f"({steps['rounds']} rounds after one warm-up run of each step, which compiles the shaders; median seconds, "
+             f"and the median of each round's time over {base}'s). Load average (1, 5, 15 min) "
+             f"{', '.join(f'{x:.1f}' for x in before)} before, {', '.join(f'{x:.1f}' for x in after)} after. "
+             f"Command: `{steps['command']}`.", "",
+             f"| export | decode (s) | vs {base} | decode rounds (s) | prefill (s) | vs {base} | prefill rounds (s) "
+             "| warm-up decode, prefill (s) |",
+             "|---|---:|---:|---|---:|---:|---|---|"]
+    for name in steps["prefill_s"]:
+        cells = []
+        for step in ("decode", "prefill"):
+            t = steps[f"{step}_s"][name]
+            ratios = steps["ratio"][step][name]
+            cells += [f"{np.median(t):.3f}", f"{np.median(ratios):.2f}x ({', '.join(f'{x:.2f}' for x in ratios)})",
+                      ", ".join(f"{x:.2f}" for x in t)]
+        warm = steps["warm_s"]
+        lines.append(f"| {name} | {' | '.join(cells)} | {warm['decode'][name]:.1f}, {warm['prefill'][name]:.1f} |")
+    return lines
 
 
 if __name__ == "__main__":
