@@ -83,7 +83,7 @@ def test_a_peak_near_a_limit_is_measured_again_in_float32():
 def test_convert_calibrates_again_in_float32_where_the_plan_sits_at_a_limit(monkeypatch):
     model = make_tiny("llama")
     samples = _samples(model)
-    monkeypatch.setattr("halfsafe.convert.holds_within", lambda *a, **k: False)
+    monkeypatch.setattr("halfsafe.convert.calibrate.holds_within", lambda *a, **k: False)
     report = plan_with(model, samples, PlanOptions.checked(calib_arith="bfloat16"), progress=False)
     exact = plan_with(model, samples, PlanOptions.checked(calib_arith="float32"), progress=False)
     assert "float32_again" in report.calib_arith and report.plan == exact.plan

@@ -14,6 +14,7 @@ import torch
 from tiny import make_tiny
 
 import halfsafe.calibration
+import halfsafe.convert.steps as convert_steps  # where each step looks up what it calls: what a test replaces
 import halfsafe.io.checkpoint
 import halfsafe.io.loading
 from halfsafe import convert
@@ -413,11 +414,11 @@ def recorded(monkeypatch):
     monkeypatch.setattr(halfsafe.io.checkpoint, "output_bytes", lambda m: 12345 if m is loaded.model else -1)
     monkeypatch.setattr(halfsafe.io.checkpoint, "save_fp16_checkpoint", record("save"))
     monkeypatch.setattr(halfsafe.io.loading, "load_model", record("load", loaded))
-    monkeypatch.setattr(convert, "long_sample_ids", record("long", "LONG"))
+    monkeypatch.setattr(convert_steps, "long_sample_ids", record("long", "LONG"))
     monkeypatch.setattr(halfsafe.calibration, "make_samples", record("samples", lambda: [sample]))  # cut in halfsafe.job
-    monkeypatch.setattr(convert, "rescale_with", record("make", report))
-    monkeypatch.setattr(convert, "apply_measured_", record("apply", list))
-    monkeypatch.setattr(convert, "check_plan", record("fits"))  # apply: the plan's names and shapes, right after loading
+    monkeypatch.setattr(convert_steps, "rescale_with", record("make", report))
+    monkeypatch.setattr(convert_steps, "apply_measured_", record("apply", list))
+    monkeypatch.setattr(convert_steps, "check_plan", record("fits"))  # apply: the plan's names and shapes, right after loading
     return SimpleNamespace(calls=calls, loaded=loaded, report=report, sample=sample, record=record)
 
 
@@ -483,7 +484,7 @@ def test_apply_checkpoint_defaults_reach_each_step(recorded, monkeypatch, tmp_pa
     plan = Plan("llama", "llama", {"residual": -1}, 2.0, [], 0, {}, None, 2, "0.1.0")
     plan.save(tmp_path / "plan.json")
     after = _scanned(bits, safe)
-    monkeypatch.setattr(convert, "scan", r.record("scan", after))
+    monkeypatch.setattr(convert_steps, "scan", r.record("scan", after))
     read = ("the plan", str(tmp_path / "plan.json"))  # OUT may not hold it
     steps = [
         ("check", ("out", False), {"inputs": [*input_paths("src"), read]}),
@@ -514,7 +515,7 @@ def test_apply_checkpoint_options_reach_each_step(recorded, monkeypatch, tmp_pat
     r, m = recorded, recorded.loaded.model
     plan = Plan("llama", "llama", {"residual": -1}, 2.0, [], 0, {}, None, 2, "0.1.0")
     plan.save(tmp_path / "plan.json")
-    monkeypatch.setattr(convert, "scan", r.record("scan", _scanned(3.0, True)))
+    monkeypatch.setattr(convert_steps, "scan", r.record("scan", _scanned(3.0, True)))
     apply_checkpoint(tmp_path / "plan.json", Path("src"), "out", texts=["t"], seq_len=32, max_samples=None, overwrite=True,
                      progress=False, stream=False, device="cpu")
     assert [c[:2] for c in r.calls[:6]] == [("check", ("out", True)), ("load", (Path("src"),)), ("check", ("out", True, 12345)),

@@ -105,7 +105,7 @@ def model(tmp_path):
 def no_slow_part(monkeypatch):
     monkeypatch.setattr("halfsafe.convert.make_fp16_safe", lambda *a, **k: pytest.fail("the slow part ran"))
     monkeypatch.setattr(sys.modules["halfsafe.scan"], "scan", lambda *a, **k: pytest.fail("the slow part ran"))
-    monkeypatch.setattr("halfsafe.convert.scan", lambda *a, **k: pytest.fail("the slow part ran"))
+    monkeypatch.setattr("halfsafe.convert.steps.scan", lambda *a, **k: pytest.fail("the slow part ran"))
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])

@@ -89,7 +89,7 @@ def test_read_only_folder(src, small_disk, capsys):
 KILL_AT = {
     # during calibration: the first activation scan
     "calibration": """
-        import halfsafe.convert as c
+        import halfsafe.convert.calibrate as c
         def scan_with(*a, **k):
             kill()
         c.scan_with = scan_with

@@ -102,7 +102,7 @@ def test_search_on_a_model_runs_larger_scales_and_picks_the_least_kl_that_keeps_
 
     calibration = plan_fp16_safe(model, [ids], progress=False, headroom_bits=1.0)
     best = max(c.residual_exponent for c in calibration.candidates if c.keeps_margin)
-    monkeypatch.setattr(convert, "evaluate_candidate", fake_kl)
+    monkeypatch.setattr("halfsafe.convert.candidates.evaluate_candidate", fake_kl)  # where the step calls it
     report = plan_fp16_safe(model, [ids], progress=False, headroom_bits=1.0)
     residuals = [c.residual_exponent for c in report.candidates]
     assert max(residuals) > best  # a scale above the solver's was considered ...

@@ -273,7 +273,7 @@ def test_convert_reads_the_checkpoint_once_per_pass_and_reports_it(tmp_path, mon
         extra.append(twin)
         return [out[0], twin, *out[1:]]
 
-    monkeypatch.setattr(convert, "candidate_exponents", with_a_twin)
+    monkeypatch.setattr("halfsafe.convert.candidates.candidate_exponents", with_a_twin)  # where step 5 calls it
     save_tiny("llama", tmp_path / "src")
     args = dict(seq_len=24, max_samples=4, progress=False)
     report = convert.convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "out"), **args)

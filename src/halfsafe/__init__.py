@@ -6,9 +6,9 @@ The pipeline, and where each step lives:
   -> probe (core/probe, core/shrink: which activations each group of families/ really moves)
   -> plan (core/plan: one power-of-two exponent per group) -> rewrite (core/rewrite: the one mutation)
   -> write (io/checkpoint, engine/write) -> verify (verify/: every variant against fp32).
-convert.py runs that chain; engine/ is how the data flows when the model is bigger than memory (block by block);
-runtime/ runs a model in float16 somewhere (the pure-fp16 loader, the baselines, runtime profiles); export/ and
-training/ start from a converted model.
+convert/ runs that chain (convert/steps.py, a step a call); engine/ is how the data flows when the model is bigger
+than memory (block by block); runtime/ runs a model in float16 somewhere (the pure-fp16 loader, the baselines,
+runtime profiles); export/ and training/ start from a converted model.
 """
 
 from ._version import __version__
