@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-# a vLLM process of these runs (and of bench/rl_fp16*.py): offline, the engine in this process (TRL's colocate mode),
+# a vLLM process of these runs (and of bench/training/rl_fp16*.py): offline, the engine in this process (TRL's colocate mode),
 # threads left unpinned
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
             "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

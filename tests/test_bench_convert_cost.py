@@ -1,4 +1,4 @@
-"""bench/convert_cost.py's report from a saved result (the real run takes minutes: bench/results/convert_cost-*.json),
+"""bench/cost/convert_cost.py's report from a saved result (the real run takes minutes: bench/results/convert_cost-*.json),
 and its one measured part small enough for the suite: the forward alone of a tiny checkpoint, in a process of its own."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def convert_cost(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
     import convert_cost
 
     return convert_cost
@@ -41,7 +41,7 @@ def test_a_bfloat16_calibrations_figures_are_kept_beside_float32s(convert_cost):
 
 def test_the_forward_alone_runs_the_calibration_samples_in_step(tmp_path):
     save_tiny("llama", tmp_path)
-    done = subprocess.run([sys.executable, str(ROOT / "bench/convert_cost.py"), "--forward-only", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(ROOT / "bench/cost/convert_cost.py"), "--forward-only", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

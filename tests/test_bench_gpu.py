@@ -1,4 +1,4 @@
-"""bench/gpu.py has not met a GPU yet: its steps run here on the CPU on a tiny model, so the script is known to
+"""bench/cost/gpu.py has not met a GPU yet: its steps run here on the CPU on a tiny model, so the script is known to
 work (convert on the device, four variants loaded, timed and checked) when one is at hand."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_bench_runs_its_steps_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
     import gpu
 
     model = make_tiny("llama")
@@ -40,9 +40,9 @@ def _stress_llama(folder: Path) -> None:
 
 
 def test_gpu_scale_runs_convert_and_verify_with_the_cli_on_the_cpu(tmp_path, monkeypatch):
-    """`--scale` (bench/scale_7b.py's convert + verify on one device) as a dry run: the real CLI commands, their
+    """`--scale` (bench/cost/scale_7b.py's convert + verify on one device) as a dry run: the real CLI commands, their
     reports read back, the result JSON written."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
     import gpu
 
     _stress_llama(tmp_path / "model")
@@ -60,7 +60,7 @@ def test_gpu_scale_runs_convert_and_verify_with_the_cli_on_the_cpu(tmp_path, mon
 
 
 def test_gpu_scale_stops_at_its_time_limit(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
     import gpu
 
     _stress_llama(tmp_path / "model")

@@ -1,4 +1,4 @@
-"""bench/scale_7b.py's report: the table, per-phase timings and checkpoint reads when the CLI's reports have them (and
+"""bench/cost/scale_7b.py's report: the table, per-phase timings and checkpoint reads when the CLI's reports have them (and
 a plain note when not), the 9B / 27B projection computed from the measured convert, and the docs/results.md block it
 fills."""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def scale_7b(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
     import scale_7b
 
     return scale_7b
@@ -27,7 +27,7 @@ def _step(argv: list[str], wall: float, cpu: float, **extra) -> dict:
 
 
 def _result(scale_7b, **convert_extra) -> dict:
-    r = {"command": "python bench/scale_7b.py", "started_utc": "2026-12-01T23:00:00+00:00", "git_commit": "abc",
+    r = {"command": "python bench/cost/scale_7b.py", "started_utc": "2026-12-01T23:00:00+00:00", "git_commit": "abc",
          "machine": {"cpu": "CPU", "cpu_cores": 2, "memory_gib": 23.4, "torch": "2"}, "load_average": [1.0, 2.0],
          "size": "qwen7b", "architecture": "DeepSeek-R1-Distill-Qwen-7B", "params": 7_615_616_512,
          "checkpoint": "/work/syn7b", "checkpoint_gb": 15.23, "checkpoint_shards": 4, "cap_gb": 8.0,
@@ -71,7 +71,7 @@ def test_readme_block_is_filled_between_its_markers_only(scale_7b, tmp_path):
     r = _result(scale_7b)
     scale_7b.update_readme(r, readme)
     text = readme.read_text()
-    assert text.startswith(f"before\n{scale_7b.README_BEGIN} (note) -->\n`python bench/scale_7b.py`")
+    assert text.startswith(f"before\n{scale_7b.README_BEGIN} (note) -->\n`python bench/cost/scale_7b.py`")
     assert text.endswith(f"{scale_7b.README_END}\nafter\n") and "old text" not in text
     scale_7b.update_readme(r, readme)
     assert readme.read_text() == text  # refilling replaces, never stacks
@@ -93,7 +93,7 @@ def test_the_block_lives_in_docs_results_md_as_the_saved_run_writes_it(scale_7b,
     copy.write_text(text)
     scale_7b.update_readme(json.loads((ROOT / "bench" / "results" / "scale_7b.json").read_text()), copy)
     assert copy.read_text() == text, ("docs/results.md's scale_7b block is not what bench/results/scale_7b.json gives: "
-                                      "run python bench/scale_7b.py --report-only --readme")
+                                      "run python bench/cost/scale_7b.py --report-only --readme")
 
 
 def test_the_cpus_matrix_product_speeds_stand_beside_the_figures(scale_7b):

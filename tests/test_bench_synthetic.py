@@ -1,4 +1,4 @@
-"""bench/make_synthetic.py's Qwen2 checkpoints: the 7B config is DeepSeek-R1-Distill-Qwen-7B's, and the tiny one of the
+"""bench/tools/make_synthetic.py's Qwen2 checkpoints: the 7B config is DeepSeek-R1-Distill-Qwen-7B's, and the tiny one of the
 same architecture is an exact 2^13 rescale of its base model whose residual stream overflows float16 (in fp32 and
 bf16 runs) and loads with transformers."""
 
@@ -15,7 +15,7 @@ FP16_MAX = 65504.0
 def _maker(monkeypatch):
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench" / "tools"))
     import make_synthetic
 
     return make_synthetic

@@ -3,7 +3,7 @@ computes what PyTorch's own float16 kernels compute: on every tiny family the lo
 same non-finite positions, also where the float16 run overflows; convert, scan and verify use it by default, record
 it, and take `--fp16-arith native` (the default, auto, emulates where PyTorch's float16 products are slow).
 
-The bound is what two of PyTorch's own float16 kernels differ by (bench/fp16_arith.py, bench/results/fp16_arith.txt):
+The bound is what two of PyTorch's own float16 kernels differ by (bench/fidelity/fp16_arith.py, bench/results/fp16_arith.txt):
 oneDNN's AVX512-FP16 kernels against the same ops with oneDNN held to AVX512_CORE differ by up to 3.25 fp16 ulps of
 the logits' peak over the tiny families (gemma4_text-moe; 0 to 2.5 for the others), so 4 ulps here. Measured on this
 project's machine (AVX512-FP16), emulated and native logits are bit-identical on every tiny family and on Gemma 3

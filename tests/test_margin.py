@@ -141,7 +141,7 @@ def test_halfsafe_json_and_model_card_state_context_and_margin(tmp_path):
     expected = margin_bits(4096, 64)
     assert info["plan"]["context_length"] == 4096 and info["plan"]["headroom_bits"] == pytest.approx(expected)
     assert info["margin"]["context_length"] == 4096 and info["margin"]["calibrated_tokens"] == 64
-    assert "bench/context_study.py" in info["margin"]["rule"]
+    assert "bench/fidelity/context_study.py" in info["margin"]["rule"]
     assert Plan.load(out / "halfsafe.json").context_length == 4096
     card = (out / "README.md").read_text()
     assert f"margin: {expected:.2f} bits under 65504, made for contexts up to 4096 tokens" in card

@@ -24,7 +24,7 @@ from halfsafe.scan import scan
 pytestmark = pytest.mark.usefixtures("one_thread")  # a tiny width (conftest)
 
 ARGS = ["--seq-len", "32", "--max-samples", "2"]
-# google/flan-t5-base's config.json (bench/t5_flan_base.py runs it at this size); the suite's copy narrows the widths
+# google/flan-t5-base's config.json (bench/fidelity/t5_flan_base.py runs it at this size); the suite's copy narrows the widths
 # (768 -> 64, d_ff 2048 -> 128, 12 heads of 64 -> 4 of 16) and the vocabulary (32128 -> 256 byte ids)
 FLAN_T5_BASE_SHAPE = dict(num_layers=12, num_decoder_layers=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
                     relative_attention_num_buckets=32, relative_attention_max_distance=128, layer_norm_epsilon=1e-6,

@@ -2,7 +2,7 @@
 // (K x N, F16) on Vulkan device 0: every output is K exactly in float32 sums, but a float16 running sum stops at 2048
 // (2048 + 1 rounds back to 2048), so K = 4096 tells the two apart. N = 1 takes ggml's matrix-vector path (one-token
 // decode), N > 1 its matrix-matrix path (prompt processing). Built by scripts/setup-llama-vulkan against the ggml the
-// tests run; run by tests/test_llama_vulkan.py and bench/llama_vulkan.py.
+// tests run; run by tests/test_llama_vulkan.py and bench/runtimes/llama_vulkan.py.
 // Usage: f16_probe K M N [K M N ...]. Prints one JSON line per product: the device, K, M, N and the outputs' min and
 // max; exit 3 without a Vulkan device, 4 if a graph does not compute.
 #include <stdio.h>

@@ -3,7 +3,7 @@ longest context it is made for.
 
 The peaks are measured on calibration samples of a few hundred tokens; a model then runs on contexts up
 to its `max_position_embeddings`. The rule below extrapolates from the calibrated length to the context
-asked for, with constants measured by `bench/context_study.py` (results: bench/results/context_study.md):
+asked for, with constants measured by `bench/fidelity/context_study.py` (results: bench/results/context_study.md):
 
     margin(N) = BASE_MARGIN_BITS + GROWTH_BITS_PER_DOUBLING * max(0, log2(N / calibrated tokens))
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-# Measured by bench/context_study.py on Gemma 3 270M (fp32) from 128 to 32768 tokens (its full context):
+# Measured by bench/fidelity/context_study.py on Gemma 3 270M (fp32) from 128 to 32768 tokens (its full context):
 # the peak is a massive activation on one fixed residual channel (163) at every position, the largest at
 # BOS (103,821, block 14: position 0 sees only itself, so the same for every text and length); at other
 # positions it rises from 97,993 (512 tokens) to 102,390 (32768): 0.06 bits over 6 doublings, at most
@@ -68,4 +68,4 @@ def choose_margin(config, calibrated_tokens: int, max_context: int | None = None
     bits = margin_bits(context, calibrated_tokens)
     return Margin(context, calibrated_tokens, bits,
                   f"{BASE_MARGIN_BITS:g} + {GROWTH_BITS_PER_DOUBLING:g} x log2({context} / {calibrated_tokens}) bits "
-                  f"(halfsafe.core.margin, measured by bench/context_study.py)")
+                  f"(halfsafe.core.margin, measured by bench/fidelity/context_study.py)")

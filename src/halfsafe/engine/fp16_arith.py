@@ -4,7 +4,7 @@ PyTorch's own float16 kernels ("native"), or the same arithmetic from float32 ma
 PyTorch's CPU float16 ops take and give float16 tensors and compute inside in float32: a matrix product multiplies
 float16 operands exactly in float32, accumulates in float32 and rounds its result once to float16. A float32 kernel
 on the same operands followed by that one rounding computes the same, up to the order of the float32 sums: what two
-float16 kernels differ by as well (bench/fp16_arith.py measures both, on every tiny family). Without AVX512-FP16,
+float16 kernels differ by as well (bench/fidelity/fp16_arith.py measures both, on every tiny family). Without AVX512-FP16,
 PyTorch's float16 matrix kernels run about 7x slower than its float32 ones (9 against 63 GFLOP/s on 2 threads with
 oneDNN held to AVX512_CORE; with AVX512-FP16 they are as fast), so only those are replaced: mm, addmm, bmm, baddbmm,
 grouped mm and convolution, when every floating operand is a float16 CPU tensor. Every other op, and every tensor
@@ -34,7 +34,7 @@ from .choices import check_fp16_arith as check_arith
 
 SLOW = 2.0  # float16 products this many times slower than float32 ones make "auto" emulate
 
-# model_type -> why the emulation is not used for it: families where bench/fp16_arith.py (and
+# model_type -> why the emulation is not used for it: families where bench/fidelity/fp16_arith.py (and
 # tests/test_fp16_arith.py) did not find the emulated logits within two native kernels' difference.
 NATIVE_ONLY: dict[str, str] = {}
 

@@ -1,5 +1,5 @@
 """A plain mixed-precision training loop (autocast + GradScaler), the way fp16 fine-tuning runs on a
-T4/V100: used by the tests and bench/finetune_curves.py to compare precisions on the same steps."""
+T4/V100: used by the tests and bench/training/finetune_curves.py to compare precisions on the same steps."""
 
 from __future__ import annotations
 
