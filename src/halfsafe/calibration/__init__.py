@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import HalfsafeError
-from ..filetypes import input_file
+from ..files.filetypes import input_file
 
 
 def default_text() -> str:

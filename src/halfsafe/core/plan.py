@@ -16,7 +16,7 @@ import torch
 from .._version import __version__
 from ..errors import HalfsafeError
 from ..families import GAIN1P
-from ..filetypes import kind as file_kind
+from ..files.filetypes import kind as file_kind
 from .formats import FP16_MAX
 from .groups import Group, TensorMove, select_parts
 from .plan_schema import (

@@ -4,7 +4,7 @@ The files and tensors are the ones transformers' loader reads (engine.weight_fil
 folder holding only `.bin`/`.pt` weights is refused with the command that turns it into safetensors. A shard named
 in the index but absent, a file whose header does not parse, a tensor of a type halfsafe does not read, is a
 one-line error before any work starts. Every file the checkpoint names is resolved inside the folder
-(`model_folder.inside`), and a shard larger than this machine can map is refused before it is opened.
+(`files.model_folder.inside`), and a shard larger than this machine can map is refused before it is opened.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import HalfsafeError
-from ..model_folder import inside
+from ..files.model_folder import inside
 from .pool import Pool
 from .weight_files import file_of_each_key
 

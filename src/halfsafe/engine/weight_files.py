@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 
 from ..errors import HalfsafeError
-from ..model_folder import model_file
+from ..files.model_folder import model_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -13,8 +13,8 @@ from contextlib import suppress
 from pathlib import Path
 
 from ..errors import HalfsafeError
-from ..filetypes import input_file, kind  # noqa: F401 (the input checks, with the output checks here)
-from ..model_folder import model_root
+from ..files.filetypes import input_file, kind  # noqa: F401 (the input checks, with the output checks here)
+from ..files.model_folder import model_root
 
 # `.OUT.tmp-XXXXXXXX` and `.OUT.old-XXXXXXXX` (tempfile's 8 random characters) beside OUT: 14 characters around its name
 DERIVED_EXTRA = len(".") + len(".tmp-") + 8

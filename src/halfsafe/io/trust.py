@@ -5,7 +5,7 @@ config files) must resolve, symlinks followed, to a place inside the folder, and
 ever run. Every transformers load goes through `from_pretrained` here, which passes `trust_remote_code=False`;
 a folder whose config files ask for their own code (`auto_map`) is refused before transformers sees it, so
 transformers never prompts and never prints. The path rule itself (`inside`, `model_root`) is written in
-halfsafe/model_folder.py, below the engine, whose shard reader resolves every shard by it.
+halfsafe/files/model_folder.py, below the engine, whose shard reader resolves every shard by it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from ..errors import HalfsafeError
-from ..model_folder import inside, model_file, model_root  # noqa: F401 (the path half, below the engine that reads shards)
+from ..files.model_folder import inside, model_file, model_root  # noqa: F401 (the path half, below the engine that reads shards)
 
 REMOTE_CODE_KEY = "auto_map"  # what transformers reads to import a folder's own classes
 

@@ -52,7 +52,7 @@ from ..core.sites import Site, block_of, find_blocks, within
 from ..core.stats import SiteCollector
 from ..engine.fp16_arith import resolve
 from ..errors import HalfsafeError
-from ..filetypes import input_file
+from ..files.filetypes import input_file
 from ..io import owned
 from ..io.report import Finetuned, FinetuneReport, Record
 from ..job import Job, Options, Output, run

@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 from .filetypes import kind
 
 

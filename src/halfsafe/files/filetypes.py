@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import HalfsafeError
+from ..errors import HalfsafeError
 
 
 def kind(mode: int) -> str:
