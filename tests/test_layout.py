@@ -1,7 +1,8 @@
 """The package's layout, read from the source with `ast` (every import counts, at module level or inside a function):
 core imports nothing from engine (a model's weights are reached through core.weights), nothing outside the engine
 asks for the streamed model itself, no two modules import each other, directly or round a loop, and no two folders
-either: the package is floors, each importing only the ones below it."""
+either: the package is floors, each importing only the ones below it. Beside the folders, at most 8 top-level modules,
+each saying why it is not in one."""
 
 from __future__ import annotations
 
@@ -171,6 +172,46 @@ def test_the_lower_floor_never_imports_the_upper(upper, lower, why):
     assert (upper, lower) in edges, f"{upper} no longer imports {lower}: take it out of ONE_WAY"
     back = edges.get((lower, upper), [])
     assert not back, f"{lower} must not import {upper} ({why}): " + "; ".join(back)
+
+
+MAX_TOP_LEVEL = 8  # the shape agreed: beside the folders, at most 8 modules, each saying why it is not in one
+
+
+def _top_level(package: Path) -> dict[str, str]:
+    """module name -> its docstring, for every module directly in `package` (its __init__.py and _version.py apart)."""
+    return {p.stem: ast.get_docstring(ast.parse(p.read_text(), str(p))) or "" for p in sorted(package.glob("*.py"))
+            if p.stem not in ("__init__", "_version")}
+
+
+def _top_level_problems(package: Path) -> list[str]:
+    top = _top_level(package)
+    out = [f"{len(top)} top-level modules ({', '.join(top)}), at most {MAX_TOP_LEVEL}: move one into the folder it "
+           "belongs to"] if len(top) > MAX_TOP_LEVEL else []
+    return out + [f"{name}.py: its docstring says no 'Top level: ' why it is not in a folder"
+                  for name, doc in top.items() if not any(line.startswith("Top level: ") for line in doc.splitlines())]
+
+
+def test_at_most_eight_top_level_modules_each_saying_why():
+    """A newcomer reads the folders, then the few modules beside them: each of those says in its docstring, in a line
+    "Top level: ...", why it is not in a folder (a 9th, or one that does not say, fails here)."""
+    assert {"cli", "errors", "scan"} <= set(_top_level(PACKAGE))
+    problems = _top_level_problems(PACKAGE)
+    assert not problems, "; ".join(problems)
+
+
+def test_the_top_level_check_counts_and_reads_docstrings(tmp_path):
+    """The check itself, on a package of its own: 8 modules that say why pass; a 9th fails, and so does one that does
+    not say; __init__.py and _version.py are not counted."""
+    for name in ["__init__", "_version", *(f"m{i}" for i in range(MAX_TOP_LEVEL))]:
+        (tmp_path / f"{name}.py").write_text(f'"""{name}.\n\nTop level: a reason.\n"""\n')
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "inside.py").write_text('"""Not top level."""\n')
+    assert _top_level_problems(tmp_path) == []
+    (tmp_path / "extra.py").write_text('"""One more.\n\nTop level: a reason.\n"""\n')
+    assert [p.split(" (")[0] for p in _top_level_problems(tmp_path)] == ["9 top-level modules"]
+    (tmp_path / "extra.py").unlink()
+    (tmp_path / "m0.py").write_text('"""No reason."""\n')
+    assert _top_level_problems(tmp_path) == ["m0.py: its docstring says no 'Top level: ' why it is not in a folder"]
 
 
 def test_the_checks_see_function_level_and_relative_imports():

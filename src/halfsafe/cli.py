@@ -1,4 +1,7 @@
-"""The `halfsafe` command: a thin layer over the Python API."""
+"""The `halfsafe` command: a thin layer over the Python API.
+
+Top level: the one entry point, above every floor.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Rich tables for the terminal."""
+"""Rich tables for the terminal.
+
+Top level: beside the CLI, the only module that shows them.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""User-facing errors: one line that names the fix. The CLI prints them without a traceback."""
+"""User-facing errors: one line that names the fix. The CLI prints them without a traceback.
+
+Top level: the bottom floor; every other raises them, and the public API gives them.
+"""
 
 
 class HalfsafeError(Exception):

@@ -1,5 +1,7 @@
 """What every command that writes a checkpoint shares: load -> samples -> work -> save, in `run`.
 
+Top level: convert/ (convert, apply) and training/ (finetune) both run it, above io/.
+
 convert, apply and finetune each supply only their own option checks and the work between (`run`'s `check` and
 `work`). `run` first checks the output folder (it must not exist unless --overwrite, and must not be or hold the
 model), then the command's options, all before anything slow; it loads the model (streamed where asked and possible,

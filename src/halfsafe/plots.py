@@ -1,5 +1,7 @@
 """PNG plots: per-layer peaks against the float16 limit.
 
+Top level: the CLI's --plot and verify/'s plots share it.
+
 A plot's file format is its name's suffix (any format matplotlib writes: .png, .pdf, .svg, ...); a name without a
 suffix gets .png added, as matplotlib does. `plot_file` says which file and format, or refuses in one line, before
 the slow part; the figure is written whole or not at all (halfsafe.io.paths.write_file).

@@ -1,5 +1,7 @@
 """Progress of the slow phases, and what each one cost.
 
+Top level: engine/, scan, convert/, verify/ and the CLI all report through it.
+
 `with phase("scan", model, passes=8):` counts the model's blocks (`layers.find_blocks`) as they finish: a forward
 hook on each block, which a streamed model's blocks run like any other (their pre-hooks load the weights) and which
 a `cast_copy` made inside the phase inherits. It shows blocks done / total and, from the first block on, an ETA, and

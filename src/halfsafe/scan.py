@@ -1,4 +1,7 @@
-"""`scan`: run calibration text through a model and say where, and by how much, it would overflow float16."""
+"""`scan`: run calibration text through a model and say where, and by how much, it would overflow float16.
+
+Top level: a verb of its own (`halfsafe scan`) and step 2 of convert/; verify/, export/ and training/ use it too.
+"""
 
 from __future__ import annotations
 
