@@ -10,8 +10,8 @@ encoded again by the tokenizer) equal to fp32's before the first difference, and
 reports (the first generate compiles lavapipe's shaders unless MESA_SHADER_CACHE_DIR has them).
 
 `--steps N` also times what generation runs, in the same browser on the same proven adapter: a prefill (--prefill
-tokens of the embedded held-out text, as bench/webgpu.py's, no past) and a decode step (one token after a past of
---past tokens) of the plain graph (`--split-k none`, --plain) and the default export, in turn in one page for N rounds
+tokens of the embedded held-out text, as bench/runtimes/webgpu.py's, no past) and a decode step (one token after a
+past of --past tokens) of the plain graph (`--split-k none`, --plain) and the default export, in turn in one page for N rounds
 (examples/web/time_steps.html, ONNX Runtime Web's WebGPU provider as transformers.js 4 bundles it, with the feeds of
 clients/js/time_steps.mjs, whose Node figures are bench/results/webgpu.md's); each export's first run of each step
 (shader compilation) is reported apart. `--keep-greedy` keeps the greedy row of the last run instead of measuring it
@@ -50,7 +50,7 @@ from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 from halfsafe.io.loading import load_model  # noqa: E402
 from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
 
-PROMPT = "Glaciers are rivers of ice that move under their own weight."  # bench/web_page.py's
+PROMPT = "Glaciers are rivers of ice that move under their own weight."  # bench/runtimes/web_page.py's
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -167,7 +167,7 @@ def time_steps(folders: dict[str, Path], args, proof: dict, env: dict) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gemma3_270m_folder()))
-    ids = make_samples([heldout_text()], tok, tok.vocab_size, args.prefill, 1)[0][0].tolist()  # bench/webgpu.py's
+    ids = make_samples([heldout_text()], tok, tok.vocab_size, args.prefill, 1)[0][0].tolist()  # bench/runtimes/webgpu.py's
     query = urllib.parse.urlencode({"models": ",".join(folders), "ids": ",".join(map(str, ids)), "past": args.past,
                                     "rounds": args.steps})
     load_before = os.getloadavg()
@@ -189,7 +189,7 @@ def time_steps(folders: dict[str, Path], args, proof: dict, env: dict) -> dict:
 
 
 def steps_lines(steps: dict) -> list[str]:
-    """bench/webgpu.py's steps table for the page's times, with each round's ratio and the warm-up apart."""
+    """bench/runtimes/webgpu.py's steps table for the page's times, with each round's ratio and the warm-up apart."""
     base = next(iter(steps["prefill_s"]))
     before, after = steps["load_avg_before"], steps["load_avg_after"]
     lines = ["", f"Prefill of {steps['prefill']} tokens (no past) and decode step (one token after {steps['past']}) in the "
