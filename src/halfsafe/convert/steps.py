@@ -102,6 +102,7 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
     eval_ids = _eval_ids(samples)
     # 2. scan
     report, calib, logits_fp32 = calibrate(model, samples, options, progress, scan_report, reads, eval_ids)
+    # the margin kept under 65504, for the longest context asked (core/margin.py's rule)
     margin = choose_margin(model.config, max(sample_tokens(s) for s in samples), options.margin.max_context,
                            options.margin.headroom_bits)
     headroom_bits = margin.bits
@@ -110,6 +111,7 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
             governed = probe_governed(model, family, groups, prefix(samples[0], PROBE_TOKENS))  # on a shrunk random copy
         with phase("plan", quiet=not progress):  # 4. plan
             constraints, weights = plan_constraints(model, groups, report, governed)
+    # 2 and 4 again in float32 where a bfloat16 calibration's peaks sit too near a limit the plan is chosen at
     report, constraints = again_in_float32(model, samples, options, progress, reads, calib, report, groups, constraints,
                                            weights, governed, headroom_bits)
     # 5. candidates, against the fp32 reference (computed here where it did not run beside the scan)
@@ -121,6 +123,7 @@ def plan_with(model: PreTrainedModel, samples: list[torch.Tensor], options: Plan
         chosen, tried, runtime_info = try_candidates(profile, model, family, groups, constraints, headroom_bits,
                                                      options.candidates, eval_ids, ref, report, samples, progress,
                                                      arith["used"])
+    # what the chosen plan leaves above 65504 (refused unless --allow-unfixable) or inside the margin
     unfixable, tight = _problems(constraints, chosen.exponents, headroom_bits)
     refuse_unfixable(family, chosen.finite, unfixable, options.allow_unfixable)
     return ConversionReport(
