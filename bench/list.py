@@ -24,9 +24,6 @@ from common import BENCH, GROUPS, RESULTS, ROOT  # noqa: E402
 
 # Files in bench/results/ that no script writes: kept by hand, with where they come from.
 BY_HAND = {"verify_stream.md": "raw outputs of `python bench/tools/memory_cap.py 20 -- halfsafe verify ...`, kept by hand"}
-# Scripts still directly in bench/ (edited elsewhere; each moves to its group and takes a WRITES of its own):
-# name -> (group, what it writes).
-PENDING = {"browser_webgpu.py": ("runtimes", ("browser_webgpu.json", "browser_webgpu.md"))}
 
 
 def describe(path: Path) -> dict:
@@ -39,8 +36,8 @@ def describe(path: Path) -> dict:
             if node.targets[0].id in ("WRITES", "ON_DEMAND"):
                 consts[node.targets[0].id] = ast.literal_eval(node.value)
     rel = path.relative_to(ROOT).as_posix()
-    group = path.parent.name if path.parent != BENCH else PENDING.get(path.name, ("?",))[0]
-    writes = consts.get("WRITES", PENDING[path.name][1] if path.name in PENDING else None)
+    group = path.parent.name
+    writes = consts.get("WRITES")
     found = re.search(rf"python {re.escape(rel)}[^`\n]*", doc)  # the first command the docstring gives
     command = re.split(r"\s{2,}", found.group(0))[0].strip().rstrip(".") if found else f"python {rel}"
     if command.count(")") > command.count("("):  # the command closed a parenthesis of the prose
@@ -53,9 +50,8 @@ def describe(path: Path) -> dict:
 
 
 def scripts() -> list[dict]:
-    """Every script of bench/ (its group folders, and those not moved yet), in GROUPS order then by name."""
+    """Every script of bench/'s group folders, in GROUPS order then by name."""
     paths = [p for g in GROUPS for p in sorted((BENCH / g).glob("*.py"))]
-    paths += [BENCH / name for name in sorted(PENDING) if (BENCH / name).is_file()]
     return sorted((describe(p) for p in paths), key=lambda s: (list(GROUPS).index(s["group"]), s["path"]))
 
 

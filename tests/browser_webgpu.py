@@ -1,4 +1,4 @@
-"""A real float16 WebGPU adapter in headless Chromium, for the browser tests and bench/browser_webgpu.py:
+"""A real float16 WebGPU adapter in headless Chromium, for the browser tests and bench/runtimes/browser_webgpu.py:
 scripts/install-browser-webgpu (Mesa's lavapipe from scripts/install-webgpu under SwiftShader's ids, the only Vulkan
 adapter Debian's Chromium takes without external semaphores, and a chromium copy without SwiftShader) writes an env
 file; clients/js/browser.mjs runs a page in that chromium with WebGPU on.

@@ -33,7 +33,7 @@ def test_every_script_is_listed_with_its_group_and_command():
         assert s["command"].startswith(f".venv/bin/python {path}") or s["command"].startswith(".venv/bin/PYTHONPATH"), s
         assert s["summary"], f"{path} has no docstring"
         group = Path(path).parent.name
-        assert group in listing.GROUPS or Path(path).name in listing.PENDING, f"{path}: bench/{group}/ is not a group of common.GROUPS"
+        assert group in listing.GROUPS, f"{path}: bench/{group}/ is not a group of common.GROUPS"
 
 
 def test_every_script_names_what_it_writes_and_every_name_is_there_or_said_when():
@@ -57,8 +57,6 @@ def test_every_result_file_has_a_writer():
             f"bench/results/{name}: no script's WRITES names it (nor BY_HAND in bench/list.py)"
     for name in listing.BY_HAND:
         assert (BENCH / "results" / name).is_file(), f"BY_HAND names bench/results/{name}, which is not there"
-    for name in listing.PENDING:
-        assert (BENCH / name).is_file(), f"bench/{name} has moved: drop it from PENDING in bench/list.py"
 
 
 def test_an_unknown_group_is_one_line_and_exit_2():

@@ -234,7 +234,7 @@ def test_unconverted_export_overflows_on_float16_webgpu(stressed, browser_gpu):
 
 
 # time_steps.html: the plain graph (`--split-k none`) and the default (split-K) of the converted export, timed in turn
-# in one page (bench/browser_webgpu.py --steps runs it on Gemma 3 270M); a prefill of a few tokens and a decode step
+# in one page (bench/runtimes/browser_webgpu.py --steps runs it on Gemma 3 270M); a prefill of a few tokens and a decode step
 # after a past longer than the tiny Gemma 3's sliding window
 STEP_IDS, STEP_PAST, STEP_ROUNDS = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48], 12, 2
 

@@ -18,7 +18,7 @@ clients/js/time_steps.mjs, whose Node figures are bench/results/webgpu.md's); ea
 again (same --folder).
 
 Writes bench/results/browser_webgpu.{md,json}.
-Command: `python bench/browser_webgpu.py [--folder EXPORT] [--tokens 16] [--steps 3 [--plain EXPORT] [--keep-greedy]]`
+Command: `python bench/runtimes/browser_webgpu.py [--folder EXPORT] [--tokens 16] [--steps 3 [--plain EXPORT] [--keep-greedy]]`
 (without --folder or --plain, the exports are made in --work on first use).
 """
 
@@ -34,8 +34,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/common.py: ROOT, RESULTS, the import paths
+from common import RESULTS, add_paths  # noqa: E402
+
+add_paths("tests")
 
 import browser_webgpu  # noqa: E402
 import jsclient  # noqa: E402
@@ -51,7 +53,7 @@ from halfsafe.io.loading import load_model  # noqa: E402
 from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
 
 PROMPT = "Glaciers are rivers of ice that move under their own weight."  # bench/runtimes/web_page.py's
-RESULTS = ROOT / "bench" / "results"
+WRITES = ("browser_webgpu.json", "browser_webgpu.md")  # in bench/results/ (python bench/list.py)
 
 
 def _export(work: Path, plain: bool = False) -> Path:
@@ -137,13 +139,13 @@ def greedy(folder: Path, new_tokens: int, proof: dict, env: dict) -> dict:
                "adapter": proof["adapter"], "shader_f16": proof["shader_f16"], "f16_proof": proof["outputs"]}
     return {"folder": str(folder), "prompt": PROMPT, "tokens": new_tokens, "reference_ids": want,
             "reference_text": tokenizer.decode(want, skip_special_tokens=True), "row": row, "machine": machine,
-            "command": f"python bench/browser_webgpu.py {' '.join(sys.argv[1:])}"}
+            "command": f"python bench/runtimes/browser_webgpu.py {' '.join(sys.argv[1:])}"}
 
 
 def greedy_lines(result: dict) -> list[str]:
     row, machine, want, n = result["row"], result["machine"], result["reference_ids"], result["tokens"]
     logits, proof = row.get("logits") or {}, machine["f16_proof"]
-    command = result.get("command", f"python bench/browser_webgpu.py --folder {result['folder']} --tokens {n}")
+    command = result.get("command", f"python bench/runtimes/browser_webgpu.py --folder {result['folder']} --tokens {n}")
     return [
         f"examples/web in headless Chromium ({machine['chromium']}) with device=webgpu on a real float16 adapter "
         f"(Mesa's lavapipe under SwiftShader's ids, {machine['mesa']}; the page's f16 proof: a sum of 4096 ones "
@@ -185,7 +187,7 @@ def time_steps(folders: dict[str, Path], args, proof: dict, env: dict) -> dict:
         raise RuntimeError(f"the timing page's adapter {r['adapter']} is not the proven one {proof['adapter']}")
     return {**r, "folders": {k: str(v) for k, v in folders.items()}, "wall_s": time.perf_counter() - t0,
             "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-            "command": f"python bench/browser_webgpu.py {' '.join(sys.argv[1:])}"}
+            "command": f"python bench/runtimes/browser_webgpu.py {' '.join(sys.argv[1:])}"}
 
 
 def steps_lines(steps: dict) -> list[str]:
