@@ -100,7 +100,10 @@ def jobs(models: Path, out: Path, keys: list[str]) -> list[tuple[str, list[str]]
 
 def run_side(src: Path, models: Path, out: Path, keys: list[str]) -> dict[str, int]:
     """Run every job with the package in `src`, in one process; returns each job's exit status."""
-    env = dict(os.environ, PYTHONPATH=str(src), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    # PYTHONHASHSEED fixed: transformers' Gemma 3 forward walks `set(config.layer_types)`, so the traced ONNX graph's
+    # choice between its two equal rotary buffers follows Python's string hashing, different in every process
+    env = dict(os.environ, PYTHONPATH=str(src), HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               PYTHONHASHSEED="0")
     done = subprocess.run([sys.executable, __file__, "--run", str(models), str(out), *keys], env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
