@@ -63,6 +63,26 @@ def no_progress_lines(monkeypatch):
     monkeypatch.setattr(progress, "INTERVAL", 1e9)
 
 
+@pytest.fixture
+def bench_script(monkeypatch):
+    """`bench_script(group, name)`: a script of bench/GROUP/ imported as its own run imports it: its folder first on
+    sys.path and every group folder after the rest (bench/common.py appends them when first imported). Each test's
+    sys.path is put back after it while `common` stays imported, so the group folders are put on again here, else a
+    script that imports another (bench/cost/scale_7b.py: tools/make_synthetic) finds it only in some test orders."""
+    import importlib
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+
+    def load(group: str, name: str):
+        monkeypatch.syspath_prepend(str(bench / group))
+        monkeypatch.syspath_prepend(str(bench))
+        groups = importlib.import_module("common").GROUPS
+        sys.path.extend(str(bench / g) for g in groups if str(bench / g) not in sys.path)  # undone with the rest
+        return importlib.import_module(name)
+
+    return load
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """For a module of tiny models: `pytestmark = pytest.mark.usefixtures("one_thread")` (one torch thread is

@@ -16,11 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def convert_cost(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
-    import convert_cost
-
-    return convert_cost
+def convert_cost(bench_script):
+    return bench_script("cost", "convert_cost")
 
 
 def test_the_report_reads_the_ratio_and_the_goals(convert_cost):

@@ -14,9 +14,8 @@ from tests.tiny import make_tiny
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_bench_runs_its_steps_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
-    import gpu
+def test_gpu_bench_runs_its_steps_on_the_cpu(tmp_path, bench_script):
+    gpu = bench_script("cost", "gpu")
 
     model = make_tiny("llama")
     calib = make_samples([default_text()], None, 256, 16, 2)
@@ -39,11 +38,10 @@ def _stress_llama(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def test_gpu_scale_runs_convert_and_verify_with_the_cli_on_the_cpu(tmp_path, monkeypatch):
+def test_gpu_scale_runs_convert_and_verify_with_the_cli_on_the_cpu(tmp_path, bench_script):
     """`--scale` (bench/cost/scale_7b.py's convert + verify on one device) as a dry run: the real CLI commands, their
     reports read back, the result JSON written."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
-    import gpu
+    gpu = bench_script("cost", "gpu")
 
     _stress_llama(tmp_path / "model")
     assert gpu.main(["--scale", "tiny-llama", "--checkpoint", str(tmp_path / "model"), "--device", "cpu",
@@ -59,9 +57,8 @@ def test_gpu_scale_runs_convert_and_verify_with_the_cli_on_the_cpu(tmp_path, mon
     assert not (tmp_path / "work" / "model-fp16").exists()  # the output is removed unless --keep-output
 
 
-def test_gpu_scale_stops_at_its_time_limit(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
-    import gpu
+def test_gpu_scale_stops_at_its_time_limit(tmp_path, bench_script):
+    gpu = bench_script("cost", "gpu")
 
     _stress_llama(tmp_path / "model")
     assert gpu.main(["--scale", "tiny-llama", "--checkpoint", str(tmp_path / "model"), "--device", "cpu",

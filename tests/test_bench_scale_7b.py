@@ -14,11 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def scale_7b(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench" / "cost"))
-    import scale_7b
-
-    return scale_7b
+def scale_7b(bench_script):
+    return bench_script("cost", "scale_7b")
 
 
 def _step(argv: list[str], wall: float, cpu: float, **extra) -> dict:

@@ -12,17 +12,8 @@ from transformers import AutoModelForCausalLM
 FP16_MAX = 65504.0
 
 
-def _maker(monkeypatch):
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench" / "tools"))
-    import make_synthetic
-
-    return make_synthetic
-
-
-def test_qwen7b_is_the_published_architecture(monkeypatch):
-    ms = _maker(monkeypatch)
+def test_qwen7b_is_the_published_architecture(bench_script):
+    ms = bench_script("tools", "make_synthetic")
     c = ms.config_for("qwen7b")
     assert (c.model_type, c.architectures, c.hidden_size, c.num_hidden_layers, c.intermediate_size,
             c.num_attention_heads, c.num_key_value_heads, c.vocab_size, c.max_position_embeddings,
@@ -34,8 +25,8 @@ def test_qwen7b_is_the_published_architecture(monkeypatch):
     assert sum(p.numel() for p in model.parameters()) == 7_615_616_512  # 7.62B, 15.2 GB in bf16
 
 
-def test_tiny_qwen_is_an_exact_rescale_that_overflows_fp16(tmp_path, monkeypatch):
-    ms = _maker(monkeypatch)
+def test_tiny_qwen_is_an_exact_rescale_that_overflows_fp16(tmp_path, bench_script):
+    ms = bench_script("tools", "make_synthetic")
     assert ms.write_checkpoint(tmp_path / "syn", "qwen7b-tiny", "5GB") > 0
     scaled = AutoModelForCausalLM.from_pretrained(tmp_path / "syn", dtype=torch.float32).eval()
     assert type(scaled).__name__ == "Qwen2ForCausalLM"
