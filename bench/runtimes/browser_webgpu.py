@@ -51,23 +51,24 @@ from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.io.builtin import gemma3_270m_folder  # noqa: E402
 from halfsafe.io.loading import load_model  # noqa: E402
 from halfsafe.runtime.profiles import SplitK, get_profile  # noqa: E402
+from halfsafe.verify.accumulator import matched_prefix  # noqa: E402
 
 PROMPT = "Glaciers are rivers of ice that move under their own weight."  # bench/runtimes/web_page.py's
 WRITES = ("browser_webgpu.json", "browser_webgpu.md")  # in bench/results/ (python bench/list.py)
 
 
+def _export_folder(work: Path, plain: bool = False) -> Path:
+    return work / ("plain-onnx" if plain else "default-onnx")
+
+
 def _export(work: Path, plain: bool = False) -> Path:
     """The default export of the default conversion (or its plain graph, `--split-k none`), made in `work` on first use."""
-    converted, folder = work / "converted", work / ("plain-onnx" if plain else "default-onnx")
+    converted, folder = work / "converted", _export_folder(work, plain)
     if not (folder / ONNX_FILE).is_file():
         if not (converted / "halfsafe.json").is_file():
             convert_checkpoint(str(gemma3_270m_folder()), str(converted), progress=False, overwrite=True)
         export_onnx(converted, folder, overwrite=True, split_k=SplitK() if plain else None)
     return folder
-
-
-def _same_before(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main() -> int:
@@ -83,7 +84,7 @@ def main() -> int:
     ap.add_argument("--keep-greedy", action="store_true", help="keep the greedy row of the last run (same --folder)")
     args = ap.parse_args()
     stored = json.loads((RESULTS / "browser_webgpu.json").read_text()) if args.keep_greedy else None
-    if stored is not None and stored["folder"] != str(Path(args.folder) if args.folder else _export_path(args.work)):
+    if stored is not None and stored["folder"] != str(Path(args.folder) if args.folder else _export_folder(Path(args.work))):
         print(f"--keep-greedy: the last run's row is of {stored['folder']}, not this --folder", file=sys.stderr)
         return 2
     reason = browser_webgpu.missing()
@@ -107,10 +108,6 @@ def main() -> int:
     return 0
 
 
-def _export_path(work: str) -> str:
-    return str(Path(work) / "default-onnx")
-
-
 def greedy(folder: Path, new_tokens: int, proof: dict, env: dict) -> dict:
     """examples/web's page on `folder`: the prompt's tokens, logits, greedy tokens against transformers float32."""
     loaded = load_model(gemma3_270m_folder())  # float32
@@ -132,7 +129,7 @@ def greedy(folder: Path, new_tokens: int, proof: dict, env: dict) -> dict:
     tokens = tokenizer(r.get("text", ""), add_special_tokens=False).input_ids
     row = {**r, "wall_s": wall, "prompt_ids_equal": r.get("prompt_ids") == ids[0].tolist(),
            "text_equal": r.get("text") == tokenizer.decode(want, skip_special_tokens=True),
-           "greedy_equal_before_first_difference": _same_before(tokens, want),
+           "greedy_equal_before_first_difference": matched_prefix(tokens, want),
            "errors": [m for m in got["logs"] if "error" in m.lower()]}
     machine = {"platform": platform.platform(), "cpus": len(os.sched_getaffinity(0)), "load_avg": os.getloadavg(),
                "chromium": jsclient.chromium_version(), "mesa": webgpu.env_file().parent.name,

@@ -36,15 +36,11 @@ from halfsafe.export.onnx import ONNX_FILE, export_onnx  # noqa: E402
 from halfsafe.export.onnx_common import versions  # noqa: E402
 from halfsafe.io.builtin import cache_dir, gemma3_270m_folder  # noqa: E402
 from halfsafe.io.loading import load_model  # noqa: E402
+from halfsafe.verify.accumulator import matched_prefix  # noqa: E402
 
 WRITES = ("transformers_js.json", "transformers_js.md")  # in bench/results/ (python bench/list.py)
 
 NAMES = {"tjs3": "transformers.js 3.8.1", "tjs4": "transformers.js 4.3.2"}
-
-
-def _agreement(got: list[int], want: list[int]) -> int:
-    """Greedy tokens equal before the first difference."""
-    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
 def main() -> int:
@@ -92,7 +88,7 @@ def main() -> int:
                 "client": NAMES[lib], "version": got["version"], "text": n + 1,
                 "prompt_ids_equal": got["prompt_ids"] == case["prompt_ids"],
                 "pipeline_text_equal": got["pipeline_text"] == case["pipeline_want"],
-                "greedy_equal": _agreement(got["generate_ids"], case["want"]),
+                "greedy_equal": matched_prefix(got["generate_ids"], case["want"]),
                 "logits_dtype": got["logits"]["dtype"], "finite": got["logits"]["finite"],
                 "kl": float(kl_per_token(ref, logits).mean()) if got["logits"]["finite"] else float("nan"),
                 "top1": top1_agreement(ref, logits),
