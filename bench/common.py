@@ -32,9 +32,15 @@ GROUPS = {
     "tools": "what the other benchmarks use or compare with: synthetic checkpoints, memory caps, version diffs",
 }
 
-for _group in GROUPS:
-    if str(BENCH / _group) not in sys.path:
-        sys.path.append(str(BENCH / _group))
+
+def groups_on_path() -> None:
+    """Every group folder on sys.path, after everything else (a script imports another by its module name)."""
+    for group in GROUPS:
+        if str(BENCH / group) not in sys.path:
+            sys.path.append(str(BENCH / group))
+
+
+groups_on_path()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 T0 = time.perf_counter()

@@ -76,8 +76,7 @@ def bench_script(monkeypatch):
     def load(group: str, name: str):
         monkeypatch.syspath_prepend(str(bench / group))
         monkeypatch.syspath_prepend(str(bench))
-        groups = importlib.import_module("common").GROUPS
-        sys.path.extend(str(bench / g) for g in groups if str(bench / g) not in sys.path)  # undone with the rest
+        importlib.import_module("common").groups_on_path()  # undone with the rest
         return importlib.import_module(name)
 
     return load
